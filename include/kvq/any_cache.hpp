@@ -1,0 +1,317 @@
+// kvq: a run-time facade over QuantizedKVCache, for codecs chosen by name (an engine's
+// `--cache-type-k q8_0 --cache-type-v q4_0` flags), optionally per layer.
+//
+// Only the explicit list of (key codec, value codec) pairs in `supported_codec_pairs()` is compiled
+// (every codec with itself plus a few mixed pairs), so the facade never instantiates every K×V
+// combination. Names are those of DESIGN §8: f32, f16, q4_0, q8_0, int8, fp8_e4m3, fp8_e5m2,
+// kivi2, kivi4, kivi8 (as keys: per-channel KIVI keys; as values: per-token KIVI values).
+#pragma once
+
+#include <array>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "attention.hpp"
+#include "cache.hpp"
+#include "codec/fp8.hpp"
+#include "codec/int8.hpp"
+#include "codec/kivi.hpp"
+#include "codec/passthrough.hpp"
+#include "codec/q4_0.hpp"
+#include "codec/q8_0.hpp"
+
+KVQ_NAMESPACE_BEGIN
+
+/// Options of a facade cache.
+struct any_cache_options {
+  int residual = 128;                           ///< KIVI residual length R (multiple of 32)
+  fp8_params key_fp8{};                         ///< fp8 scale and overflow mode of fp8 keys
+  fp8_params value_fp8{};                       ///< fp8 scale and overflow mode of fp8 values
+  std::pmr::memory_resource* memory = nullptr;  ///< allocator hook; nullptr = the default resource
+};
+
+/// The run-time interface of a cache whose codecs were chosen by name.
+class any_cache {
+ public:
+  virtual ~any_cache() = default;
+
+  /// The cache's shape.
+  virtual auto shape() const -> cache_shape = 0;
+  /// Name of the key codec of `layer`.
+  virtual auto key_codec_name(int layer) const -> std::string_view = 0;
+  /// Name of the value codec of `layer`.
+  virtual auto value_codec_name(int layer) const -> std::string_view = 0;
+  /// Tokens held by `layer`.
+  virtual auto size(int layer) const -> std::int64_t = 0;
+  /// Appends keys and values to `layer` (see QuantizedKVCache::append).
+  virtual void append(int layer, kv_tensor<float> const& keys, kv_tensor<float> const& values) = 0;
+  virtual void append(int layer, kv_tensor<f16> const& keys, kv_tensor<f16> const& values) = 0;
+  virtual void append(int layer, kv_tensor<bf16> const& keys, kv_tensor<bf16> const& values) = 0;
+  /// Reads keys [first, first + count) of (layer, head) as f32 rows `stride` apart (0 = head_dim).
+  virtual void read_keys(int layer, int head, std::int64_t first, std::int64_t count, float* out,
+                         std::int64_t stride = 0) const = 0;
+  /// Reads values [first, first + count) of (layer, head) as f32 rows `stride` apart (0 = head_dim).
+  virtual void read_values(int layer, int head, std::int64_t first, std::int64_t count, float* out,
+                           std::int64_t stride = 0) const = 0;
+  /// See QuantizedKVCache::truncate.
+  virtual void truncate(std::int64_t n) = 0;
+  /// See QuantizedKVCache::shift_left.
+  virtual void shift_left(std::int64_t n) = 0;
+  /// See QuantizedKVCache::reset.
+  virtual void reset() = 0;
+  /// Memory use, every byte accounted for.
+  virtual auto memory() const -> memory_report = 0;
+  /// Decode attention of q (q_heads, head_dim) over `layer` into out (q_heads, head_dim).
+  virtual void attention(int layer, float const* q, int q_heads, float* out,
+                         attention_options const& opt = {}) const = 0;
+  /// Partial attention over tokens [begin, end) of `layer` (split form).
+  virtual auto attend(int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
+                      attention_options const& opt = {}) const -> attention_partial = 0;
+};
+
+/// The (key, value) codec name pairs the facade can build.
+inline auto supported_codec_pairs() -> std::vector<std::pair<std::string_view, std::string_view>>;
+
+/// Builds a cache with the named key and value codecs for every layer; raises unsupported_error
+/// for a pair outside `supported_codec_pairs()` (the message lists them).
+inline auto make_any_cache(cache_shape const& shape, std::string_view key_codec, std::string_view value_codec,
+                           any_cache_options const& opt = {}) -> std::unique_ptr<any_cache>;
+
+/// Builds a cache with one (key, value) codec pair per layer (`per_layer.size() == shape.layers`).
+inline auto make_any_cache(cache_shape const& shape,
+                           std::vector<std::pair<std::string, std::string>> const& per_layer,
+                           any_cache_options const& opt = {}) -> std::unique_ptr<any_cache>;
+
+namespace detail {
+
+/// any_cache over one QuantizedKVCache<Choice>.
+template <codec_choice Choice>
+class any_cache_model final : public any_cache {
+ public:
+  using cache_type = QuantizedKVCache<Choice>;
+
+  any_cache_model(cache_shape const& shape, std::string_view k_name, std::string_view v_name,
+                  any_cache_options const& o)
+      : cache_(shape, cache_options(o)), k_name_(k_name), v_name_(v_name) {}
+
+  auto shape() const -> cache_shape override { return cache_.shape(); }
+  auto key_codec_name(int layer) const -> std::string_view override {
+    cache_.check_layer(layer);
+    return k_name_;
+  }
+  auto value_codec_name(int layer) const -> std::string_view override {
+    cache_.check_layer(layer);
+    return v_name_;
+  }
+  auto size(int layer) const -> std::int64_t override { return cache_.size(layer); }
+  void append(int layer, kv_tensor<float> const& k, kv_tensor<float> const& v) override { cache_.append(layer, k, v); }
+  void append(int layer, kv_tensor<f16> const& k, kv_tensor<f16> const& v) override { cache_.append(layer, k, v); }
+  void append(int layer, kv_tensor<bf16> const& k, kv_tensor<bf16> const& v) override { cache_.append(layer, k, v); }
+  void read_keys(int layer, int head, std::int64_t first, std::int64_t count, float* out,
+                 std::int64_t stride) const override {
+    cache_.read_keys(layer, head, first, count, out, stride);
+  }
+  void read_values(int layer, int head, std::int64_t first, std::int64_t count, float* out,
+                   std::int64_t stride) const override {
+    cache_.read_values(layer, head, first, count, out, stride);
+  }
+  void truncate(std::int64_t n) override { cache_.truncate(n); }
+  void shift_left(std::int64_t n) override { cache_.shift_left(n); }
+  void reset() override { cache_.reset(); }
+  auto memory() const -> memory_report override { return cache_.memory(); }
+  void attention(int layer, float const* q, int q_heads, float* out, attention_options const& opt) const override {
+    decode_attention(cache_, layer, q, q_heads, out, opt);
+  }
+  auto attend(int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
+              attention_options const& opt) const -> attention_partial override {
+    return attend_range(cache_, layer, q, q_heads, begin, end, opt);
+  }
+
+  /// The typed cache (for code that wants the compile-time interface back).
+  auto typed() const -> cache_type const& { return cache_; }
+
+ private:
+  static auto cache_options(any_cache_options const& o) -> typename cache_type::options {
+    typename cache_type::options c;
+    c.residual = o.residual;
+    c.memory = o.memory;
+    if constexpr (std::is_same_v<typename cache_type::key_params, fp8_params>) c.key = o.key_fp8;
+    if constexpr (std::is_same_v<typename cache_type::value_params, fp8_params>) c.value = o.value_fp8;
+    return c;
+  }
+
+  cache_type cache_;
+  std::string_view k_name_;
+  std::string_view v_name_;
+};
+
+using any_cache_factory = std::unique_ptr<any_cache> (*)(cache_shape const&, any_cache_options const&);
+
+struct any_cache_entry {
+  std::string_view key;
+  std::string_view value;
+  any_cache_factory make;
+};
+
+template <class Choice>
+auto make_model(cache_shape const& s, any_cache_options const& o, std::string_view k, std::string_view v)
+    -> std::unique_ptr<any_cache> {
+  return std::make_unique<any_cache_model<Choice>>(s, k, v, o);
+}
+
+#define KVQ_ANY_CACHE_ENTRY(KNAME, VNAME, ...)                                                 \
+  any_cache_entry {                                                                            \
+    KNAME, VNAME, [](cache_shape const& s, any_cache_options const& o) -> std::unique_ptr<any_cache> { \
+      return make_model<__VA_ARGS__>(s, o, KNAME, VNAME);                                      \
+    }                                                                                          \
+  }
+
+/// The explicit list of instantiations behind the facade.
+inline auto const& any_cache_table() {
+  static std::array<any_cache_entry, 22> const table = {
+      KVQ_ANY_CACHE_ENTRY("f32", "f32", f32_codec),
+      KVQ_ANY_CACHE_ENTRY("f16", "f16", f16_codec),
+      KVQ_ANY_CACHE_ENTRY("q4_0", "q4_0", q4_0),
+      KVQ_ANY_CACHE_ENTRY("q8_0", "q8_0", q8_0),
+      KVQ_ANY_CACHE_ENTRY("int8", "int8", int8_sym),
+      KVQ_ANY_CACHE_ENTRY("fp8_e4m3", "fp8_e4m3", fp8_e4m3),
+      KVQ_ANY_CACHE_ENTRY("fp8_e5m2", "fp8_e5m2", fp8_e5m2),
+      KVQ_ANY_CACHE_ENTRY("kivi2", "kivi2", kivi<2>),
+      KVQ_ANY_CACHE_ENTRY("kivi4", "kivi4", kivi<4>),
+      KVQ_ANY_CACHE_ENTRY("kivi8", "kivi8", kivi<8>),
+      KVQ_ANY_CACHE_ENTRY("q8_0", "q4_0", kv_codecs<q8_0, q4_0>),
+      KVQ_ANY_CACHE_ENTRY("q8_0", "f16", kv_codecs<q8_0, f16_codec>),
+      KVQ_ANY_CACHE_ENTRY("f16", "q8_0", kv_codecs<f16_codec, q8_0>),
+      KVQ_ANY_CACHE_ENTRY("f16", "q4_0", kv_codecs<f16_codec, q4_0>),
+      KVQ_ANY_CACHE_ENTRY("int8", "q4_0", kv_codecs<int8_sym, q4_0>),
+      KVQ_ANY_CACHE_ENTRY("fp8_e4m3", "q4_0", kv_codecs<fp8_e4m3, q4_0>),
+      KVQ_ANY_CACHE_ENTRY("q8_0", "kivi4", kv_codecs<q8_0, ::kvq::kivi_value<4>>),
+      KVQ_ANY_CACHE_ENTRY("int8", "kivi4", kv_codecs<int8_sym, ::kvq::kivi_value<4>>),
+      KVQ_ANY_CACHE_ENTRY("int8", "kivi2", kv_codecs<int8_sym, ::kvq::kivi_value<2>>),
+      KVQ_ANY_CACHE_ENTRY("kivi8", "kivi4", kv_codecs<::kvq::kivi_key<8>, ::kvq::kivi_value<4>>),
+      KVQ_ANY_CACHE_ENTRY("kivi4", "kivi2", kv_codecs<::kvq::kivi_key<4>, ::kvq::kivi_value<2>>),
+      KVQ_ANY_CACHE_ENTRY("kivi8", "kivi2", kv_codecs<::kvq::kivi_key<8>, ::kvq::kivi_value<2>>),
+  };
+  return table;
+}
+
+#undef KVQ_ANY_CACHE_ENTRY
+
+/// any_cache made of one single-layer cache per layer (per-layer codec choice).
+class layered_any_cache final : public any_cache {
+ public:
+  layered_any_cache(cache_shape const& shape, std::vector<std::unique_ptr<any_cache>> layers)
+      : shape_(shape), layers_(std::move(layers)) {}
+
+  auto shape() const -> cache_shape override { return shape_; }
+  auto key_codec_name(int layer) const -> std::string_view override { return at(layer).key_codec_name(0); }
+  auto value_codec_name(int layer) const -> std::string_view override { return at(layer).value_codec_name(0); }
+  auto size(int layer) const -> std::int64_t override { return at(layer).size(0); }
+  void append(int layer, kv_tensor<float> const& k, kv_tensor<float> const& v) override { at(layer).append(0, k, v); }
+  void append(int layer, kv_tensor<f16> const& k, kv_tensor<f16> const& v) override { at(layer).append(0, k, v); }
+  void append(int layer, kv_tensor<bf16> const& k, kv_tensor<bf16> const& v) override { at(layer).append(0, k, v); }
+  void read_keys(int layer, int head, std::int64_t first, std::int64_t count, float* out,
+                 std::int64_t stride) const override {
+    at(layer).read_keys(0, head, first, count, out, stride);
+  }
+  void read_values(int layer, int head, std::int64_t first, std::int64_t count, float* out,
+                   std::int64_t stride) const override {
+    at(layer).read_values(0, head, first, count, out, stride);
+  }
+  void truncate(std::int64_t n) override {
+    check<invalid_argument_error>(n >= 0, "truncate: n = " + std::to_string(n) + " is negative");
+    for (auto& l : layers_) l->truncate(n);
+  }
+  void shift_left(std::int64_t n) override {
+    // Validate on every layer first so that a failure leaves every layer unchanged.
+    check<invalid_argument_error>(n >= 0, "shift_left: n = " + std::to_string(n) + " is negative");
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      std::int64_t const len = layers_[i]->size(0);
+      check<index_error>(len == 0 || n <= len, "shift_left: layer " + std::to_string(i) + " holds " +
+                                                   std::to_string(len) + " tokens, cannot drop " + std::to_string(n));
+      std::string_view const k = layers_[i]->key_codec_name(0);
+      if (k.starts_with("kivi"))
+        check<unsupported_error>(n % 32 == 0, "shift_left: KIVI keys of layer " + std::to_string(i) +
+                                                  " shift by multiples of G = 32, not " + std::to_string(n));
+    }
+    for (auto& l : layers_) l->shift_left(n);
+  }
+  void reset() override {
+    for (auto& l : layers_) l->reset();
+  }
+  auto memory() const -> memory_report override {
+    memory_report m;
+    for (auto const& l : layers_) {
+      auto const r = l->memory();
+      m.total_bytes += r.total_bytes;
+      m.key_bytes += r.key_bytes;
+      m.value_bytes += r.value_bytes;
+      m.residual_bytes += r.residual_bytes;
+      m.alignment_bytes += r.alignment_bytes;
+    }
+    double const cap = static_cast<double>(shape_.capacity);
+    m.bytes_per_token = static_cast<double>(m.total_bytes) / cap;
+    m.bits_per_element = static_cast<double>(m.total_bytes) * 8.0 /
+                         (cap * shape_.layers * shape_.kv_heads * static_cast<double>(shape_.head_dim) * 2.0);
+    return m;
+  }
+  void attention(int layer, float const* q, int q_heads, float* out, attention_options const& opt) const override {
+    at(layer).attention(0, q, q_heads, out, opt);
+  }
+  auto attend(int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
+              attention_options const& opt) const -> attention_partial override {
+    return at(layer).attend(0, q, q_heads, begin, end, opt);
+  }
+
+ private:
+  auto at(int layer) const -> any_cache& {
+    check<index_error>(layer >= 0 && layer < shape_.layers, "layer " + std::to_string(layer) +
+                                                                " is out of range [0, " +
+                                                                std::to_string(shape_.layers) + ")");
+    return *layers_[static_cast<std::size_t>(layer)];
+  }
+
+  cache_shape shape_;
+  std::vector<std::unique_ptr<any_cache>> layers_;
+};
+
+inline auto find_entry(std::string_view k, std::string_view v) -> any_cache_entry const& {
+  for (auto const& e : any_cache_table())
+    if (e.key == k && e.value == v) return e;
+  std::string list;
+  for (auto const& e : any_cache_table()) {
+    list.append(" ").append(e.key).append("/").append(e.value);
+  }
+  raise<unsupported_error>("no cache for key codec '" + std::string(k) + "' with value codec '" + std::string(v) +
+                           "'; supported key/value pairs:" + list);
+}
+
+}  // namespace detail
+
+inline auto supported_codec_pairs() -> std::vector<std::pair<std::string_view, std::string_view>> {
+  std::vector<std::pair<std::string_view, std::string_view>> out;
+  for (auto const& e : detail::any_cache_table()) out.emplace_back(e.key, e.value);
+  return out;
+}
+
+inline auto make_any_cache(cache_shape const& shape, std::string_view key_codec, std::string_view value_codec,
+                           any_cache_options const& opt) -> std::unique_ptr<any_cache> {
+  return detail::find_entry(key_codec, value_codec).make(shape, opt);
+}
+
+inline auto make_any_cache(cache_shape const& shape, std::vector<std::pair<std::string, std::string>> const& per_layer,
+                           any_cache_options const& opt) -> std::unique_ptr<any_cache> {
+  detail::check<shape_error>(static_cast<std::int64_t>(per_layer.size()) == shape.layers,
+                             "make_any_cache: " + std::to_string(per_layer.size()) + " codec pairs for " +
+                                 std::to_string(shape.layers) + " layers");
+  cache_shape one = shape;
+  one.layers = 1;
+  std::vector<std::unique_ptr<any_cache>> layers;
+  for (auto const& [k, v] : per_layer) layers.push_back(detail::find_entry(k, v).make(one, opt));
+  return std::make_unique<detail::layered_any_cache>(shape, std::move(layers));
+}
+
+KVQ_NAMESPACE_END

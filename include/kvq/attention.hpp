@@ -1,0 +1,306 @@
+// kvq: decode attention on a quantized cache (CPU, scalar reference).
+//
+//   out[h] = softmax(scale · q[h] · K[kv(h)]ᵀ) · V[kv(h)]   for every query head h of one layer,
+//   kv(h) = h / (q_heads / kv_heads)  (GQA; MQA when kv_heads = 1; MHA when equal).
+//
+// The cache is read tile by tile (`attention_tile` tokens): each tile of a kv_head is decoded once
+// and used by every query head that shares it; no full-precision copy of the cache is made.
+// Softmax is online (flash-style) with fp32 accumulation, so any context length works.
+//
+// NaN/Inf: a NaN or +Inf logit makes that head's output NaN; −Inf logits get weight 0; a head that
+// attends to no token (empty range, or every logit −Inf) outputs zeros. NaN or Inf in V propagates
+// through the weighted sum as IEEE arithmetic says.
+//
+// Split form: `attend_range` over [begin, end) returns a partial state (unnormalised output,
+// running max, running sum) per head; `combine` merges two states exactly (rescaling by exp of the
+// max difference) and `finalize` divides, so an engine can run the parts on its own thread pool.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cache.hpp"
+#include "codec/q4_0.hpp"
+#include "codec/q8_0.hpp"
+
+KVQ_NAMESPACE_BEGIN
+
+/// Precision of the query in the q·K products.
+enum class query_precision {
+  f32,   ///< the query as given
+  q8_0,  ///< the query rounded to q8_0 blocks; q8_0/q4_0 keys then use integer block dot products
+};
+
+/// Precision of the softmax probabilities in the P·V products.
+enum class probability_precision {
+  f32,  ///< probabilities as computed
+  f16,  ///< probabilities rounded to f16 before multiplying V (sums stay f32)
+};
+
+/// Options of decode attention.
+struct attention_options {
+  float scale = 0.0f;          ///< softmax scale; 0 means 1/sqrt(head_dim)
+  std::int64_t window = 0;     ///< > 0: attend only to the last `window` tokens of the layer
+  float softcap = 0.0f;        ///< > 0: logit = softcap · tanh(logit / softcap), after scaling
+  query_precision query = query_precision::f32;
+  probability_precision probabilities = probability_precision::f32;
+};
+
+/// Tokens decoded per tile by the reference kernel.
+inline constexpr int attention_tile = 32;
+
+/// Partial attention over a token range: per query head, the unnormalised output, running max
+/// and running sum of exp(logit − max).
+struct attention_partial {
+  int q_heads = 0;
+  int head_dim = 0;
+  std::vector<float> out;  ///< (q_heads, head_dim)
+  std::vector<float> max;  ///< (q_heads), −Inf when nothing was attended
+  std::vector<float> sum;  ///< (q_heads)
+
+  /// An empty state (no token attended) for q_heads × head_dim.
+  static auto empty(int q_heads, int head_dim) -> attention_partial {
+    attention_partial p;
+    p.q_heads = q_heads;
+    p.head_dim = head_dim;
+    p.out.assign(static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(head_dim), 0.0f);
+    p.max.assign(static_cast<std::size_t>(q_heads), -std::numeric_limits<float>::infinity());
+    p.sum.assign(static_cast<std::size_t>(q_heads), 0.0f);
+    return p;
+  }
+};
+
+namespace detail {
+
+/// Integer dot product of a q8_0 key block with a q8_0 query block (ggml order, no fusion):
+/// sumi · (dk · dq).
+inline auto dot_block(block_q8_0 const& k, block_q8_0 const& q) -> float {
+  int sumi = 0;
+  for (int j = 0; j < 32; ++j) sumi += static_cast<int>(k.qs[j]) * static_cast<int>(q.qs[j]);
+  return mul_rn(static_cast<float>(sumi), mul_rn(f16_bits_to_f32(k.d), f16_bits_to_f32(q.d)));
+}
+
+/// Integer dot product of a q4_0 key block with a q8_0 query block (ggml order, no fusion):
+/// (sumi · dk) · dq.
+inline auto dot_block(block_q4_0 const& k, block_q8_0 const& q) -> float {
+  int sumi = 0;
+  for (int j = 0; j < 16; ++j) {
+    sumi += ((k.qs[j] & 0x0f) - 8) * static_cast<int>(q.qs[j]);
+    sumi += ((k.qs[j] >> 4) - 8) * static_cast<int>(q.qs[j + 16]);
+  }
+  return mul_rn(mul_rn(static_cast<float>(sumi), f16_bits_to_f32(k.d)), f16_bits_to_f32(q.d));
+}
+
+/// Dot product of a q8_0/q4_0 key row with a q8_0-quantized query row: the block products summed
+/// in block order from 0.
+template <class KeyCodec, class Block>
+inline auto dot_row(std::uint8_t const* key_row, std::vector<block_q8_0> const& q_blocks) -> float {
+  float sum = 0.0f;
+  for (std::size_t b = 0; b < q_blocks.size(); ++b) {
+    Block k;
+    std::memcpy(&k, key_row + b * sizeof(Block), sizeof(Block));
+    sum = add_rn(sum, dot_block(k, q_blocks[b]));
+  }
+  return sum;
+}
+
+template <class KeyCodec>
+inline constexpr bool integer_key_dot = std::is_same_v<KeyCodec, q8_0> || std::is_same_v<KeyCodec, q4_0>;
+
+}  // namespace detail
+
+/// Attends the query heads `q` (q_heads, head_dim) of `layer` to tokens [begin, end) of `cache`,
+/// returning the partial state. Raises index_error / shape_error on bad arguments.
+template <class Cache>
+auto attend_range(Cache const& cache, int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
+                  attention_options const& opt = {}) -> attention_partial {
+  using key_codec = typename Cache::key_codec;
+  auto const& shape = cache.shape();
+  std::int64_t const len = cache.size(layer);
+  int const d = shape.head_dim;
+  int const kv = shape.kv_heads;
+  detail::check<shape_error>(q_heads > 0 && q_heads % kv == 0,
+                             "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
+                                 std::to_string(kv) + " kv heads");
+  detail::check<shape_error>(q != nullptr, "attention: the query is null");
+  detail::check<index_error>(begin >= 0 && begin <= end && end <= len,
+                             "attention: range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                 ") is outside the " + std::to_string(len) + " tokens of layer " +
+                                 std::to_string(layer));
+  detail::check<invalid_argument_error>(std::isfinite(opt.scale) && opt.scale >= 0.0f && std::isfinite(opt.softcap) &&
+                                            opt.softcap >= 0.0f && opt.window >= 0,
+                                        "attention: scale, softcap and window must be finite and non-negative");
+  if (opt.window > 0) begin = std::max(begin, len - opt.window);
+  end = std::max(begin, end);
+
+  int const group = q_heads / kv;
+  float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  auto part = attention_partial::empty(q_heads, d);
+
+  // The query as used in the products: f32, or rounded to q8_0 (kept as blocks for integer dots).
+  std::vector<float> qf(q, q + static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(d));
+  std::size_t const q_nblocks = static_cast<std::size_t>(q8_0::geometry(d).blocks);
+  std::vector<std::vector<detail::block_q8_0>> qb;
+  if (opt.query == query_precision::q8_0) {
+    qb.resize(static_cast<std::size_t>(q_heads));
+    for (int h = 0; h < q_heads; ++h) {
+      auto& blocks = qb[static_cast<std::size_t>(h)];
+      blocks.resize(q_nblocks);
+      q8_0::encode_row(q + static_cast<std::size_t>(h) * static_cast<std::size_t>(d), d,
+                       reinterpret_cast<std::uint8_t*>(blocks.data()));
+      q8_0::decode_row(reinterpret_cast<std::uint8_t const*>(blocks.data()), d,
+                       qf.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(d));
+    }
+  }
+
+  std::vector<float> ktile(static_cast<std::size_t>(attention_tile) * static_cast<std::size_t>(d));
+  std::vector<float> vtile(ktile.size());
+  std::vector<float> logits(static_cast<std::size_t>(attention_tile));
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+
+  for (int kh = 0; kh < kv; ++kh) {
+    storage_view const kview = cache.key_storage(layer, kh);
+    for (std::int64_t t0 = begin; t0 < end; t0 += attention_tile) {
+      int const n = static_cast<int>(std::min<std::int64_t>(attention_tile, end - t0));
+      cache.decode_keys_unchecked(layer, kh, t0, n, ktile.data(), d);
+      cache.decode_values_unchecked(layer, kh, t0, n, vtile.data(), d);
+      for (int g = 0; g < group; ++g) {
+        int const h = kh * group + g;
+        float const* qh = qf.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(d);
+        for (int i = 0; i < n; ++i) {
+          float dot = 0.0f;
+          if constexpr (detail::integer_key_dot<key_codec>) {
+            if (opt.query == query_precision::q8_0) {
+              using block = std::conditional_t<std::is_same_v<key_codec, q8_0>, detail::block_q8_0, detail::block_q4_0>;
+              auto const* row = reinterpret_cast<std::uint8_t const*>(kview.units) +
+                                static_cast<std::size_t>(t0 + i) * kview.unit_bytes;
+              dot = detail::dot_row<key_codec, block>(row, qb[static_cast<std::size_t>(h)]);
+            }
+          }
+          if (!(detail::integer_key_dot<key_codec> && opt.query == query_precision::q8_0)) {
+            float const* k = ktile.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(d);
+            for (int c = 0; c < d; ++c) dot += qh[c] * k[c];
+          }
+          float s = dot * scale;
+          if (opt.softcap > 0.0f) s = opt.softcap * std::tanh(s / opt.softcap);
+          logits[static_cast<std::size_t>(i)] = s;
+        }
+        float& m = part.max[static_cast<std::size_t>(h)];
+        float& sum = part.sum[static_cast<std::size_t>(h)];
+        float* o = part.out.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(d);
+        for (int i = 0; i < n; ++i) {
+          float const s = logits[static_cast<std::size_t>(i)];
+          if (s == neg_inf) continue;  // weight 0
+          if (s > m) {
+            float const corr = m == neg_inf ? 0.0f : std::exp(m - s);
+            for (int c = 0; c < d; ++c) o[c] *= corr;
+            sum *= corr;
+            m = s;
+          }
+          float const p = std::exp(s - m);  // NaN for NaN or +Inf logits, which then propagates
+          float const pv = opt.probabilities == probability_precision::f16 ? to_f32(to_f16(p)) : p;
+          sum += p;
+          float const* v = vtile.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(d);
+          for (int c = 0; c < d; ++c) o[c] += pv * v[c];
+        }
+      }
+    }
+  }
+  return part;
+}
+
+/// Merges the partial state `b` into `a` (same heads and head_dim, disjoint token ranges).
+inline void combine(attention_partial& a, attention_partial const& b) {
+  detail::check<shape_error>(a.q_heads == b.q_heads && a.head_dim == b.head_dim,
+                             "combine: partial states of different shapes");
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int h = 0; h < a.q_heads; ++h) {
+    std::size_t const hh = static_cast<std::size_t>(h);
+    float const ma = a.max[hh], mb = b.max[hh];
+    if (mb == neg_inf && !std::isnan(b.sum[hh])) continue;  // b attended nothing
+    float const m = std::isnan(ma) || std::isnan(mb) ? std::numeric_limits<float>::quiet_NaN() : std::max(ma, mb);
+    float const ca = ma == neg_inf ? 0.0f : std::exp(ma - m);
+    float const cb = std::exp(mb - m);
+    float* oa = a.out.data() + hh * static_cast<std::size_t>(a.head_dim);
+    float const* ob = b.out.data() + hh * static_cast<std::size_t>(a.head_dim);
+    for (int c = 0; c < a.head_dim; ++c) oa[c] = oa[c] * ca + ob[c] * cb;
+    a.sum[hh] = a.sum[hh] * ca + b.sum[hh] * cb;
+    a.max[hh] = m;
+  }
+}
+
+/// Writes the normalised output (q_heads, head_dim) of a partial state; heads that attended
+/// nothing output zeros.
+inline void finalize(attention_partial const& p, float* out) {
+  for (int h = 0; h < p.q_heads; ++h) {
+    std::size_t const hh = static_cast<std::size_t>(h);
+    float const s = p.sum[hh];
+    float const inv = s == 0.0f ? 0.0f : 1.0f / s;
+    for (int c = 0; c < p.head_dim; ++c) {
+      std::size_t const i = hh * static_cast<std::size_t>(p.head_dim) + static_cast<std::size_t>(c);
+      out[i] = s == 0.0f ? 0.0f : p.out[i] * inv;
+    }
+  }
+}
+
+/// Decode attention of one query token over every token of `layer`: out (q_heads, head_dim).
+template <class Cache>
+void decode_attention(Cache const& cache, int layer, float const* q, int q_heads, float* out,
+                      attention_options const& opt = {}) {
+  auto const part = attend_range(cache, layer, q, q_heads, 0, cache.size(layer), opt);
+  finalize(part, out);
+}
+
+/// Decode attention split across `threads` std::threads (flash-decoding style), combined exactly.
+template <class Cache>
+void decode_attention_parallel(Cache const& cache, int layer, float const* q, int q_heads, float* out, int threads,
+                               attention_options const& opt = {}) {
+  std::int64_t const len = cache.size(layer);
+  detail::check<invalid_argument_error>(threads >= 1, "attention: threads = " + std::to_string(threads) +
+                                                          " must be >= 1");
+  std::int64_t const begin = opt.window > 0 ? std::max<std::int64_t>(0, len - opt.window) : 0;
+  std::int64_t const span = len - begin;
+  int const parts = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, span / attention_tile)));
+  if (parts == 1) {
+    decode_attention(cache, layer, q, q_heads, out, opt);
+    return;
+  }
+  // Split on tile boundaries so the result is independent of the thread count up to the merge.
+  std::int64_t const tiles = (span + attention_tile - 1) / attention_tile;
+  std::vector<attention_partial> partials(static_cast<std::size_t>(parts));
+  std::vector<std::thread> pool;
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(parts));
+  pool.reserve(static_cast<std::size_t>(parts));
+  try {
+    for (int p = 0; p < parts; ++p) {
+      std::int64_t const b = begin + tiles * p / parts * attention_tile;
+      std::int64_t const e = std::min(len, begin + tiles * (p + 1) / parts * attention_tile);
+      pool.emplace_back([&, p, b, e] {
+        try {
+          partials[static_cast<std::size_t>(p)] = attend_range(cache, layer, q, q_heads, b, e, opt);
+        } catch (...) {
+          errors[static_cast<std::size_t>(p)] = std::current_exception();
+        }
+      });
+    }
+  } catch (...) {
+    // A thread could not be started (std::system_error): join the running ones before the locals
+    // they reference go away (destroying a joinable std::thread would call std::terminate).
+    for (auto& t : pool) t.join();
+    throw;
+  }
+  for (auto& t : pool) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  for (int p = 1; p < parts; ++p) combine(partials[0], partials[static_cast<std::size_t>(p)]);
+  finalize(partials[0], out);
+}
+
+KVQ_NAMESPACE_END

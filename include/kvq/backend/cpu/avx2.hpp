@@ -1,0 +1,198 @@
+// kvq: AVX2 (+FMA, F16C) codec kernels, kvq::cpu_kernels::avx2.
+//
+// Compiled when the translation unit is built with AVX2, FMA and F16C (-mavx2 -mfma -mf16c, or a
+// -march that has them); otherwise this header defines nothing. AVX-512 builds compile it too, so
+// both paths are tested there. The kernels are simd_codecs.hpp over the 8-lane policy below; they
+// reproduce the scalar reference bit for bit.
+#pragma once
+
+#include "../../detail/config.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+#  include <immintrin.h>
+
+#  include <cstddef>
+#  include <cstdint>
+#  include <cstring>
+#  include <string_view>
+
+#  include "simd_codecs.hpp"
+
+#  define KVQ_CPU_HAS_AVX2 1
+
+KVQ_NAMESPACE_BEGIN
+namespace cpu_kernels::avx2 {
+
+/// The name of this instruction set, as reported by simd_level().
+inline constexpr std::string_view name = "avx2";
+
+/// The 8-lane AVX2 vector policy of simd_codecs.
+struct ops {
+  static constexpr int W = 8;
+  using vf = __m256;
+  using vi = __m256i;
+  using vm = __m256i;  // all-ones lanes
+
+  // Float lanes.
+  static vf load(float const* p) noexcept { return _mm256_loadu_ps(p); }
+  static void store(float* p, vf v) noexcept { _mm256_storeu_ps(p, v); }
+  static vf set1(float x) noexcept { return _mm256_set1_ps(x); }
+  static vf add(vf a, vf b) noexcept { return _mm256_add_ps(a, b); }
+  static vf sub(vf a, vf b) noexcept { return _mm256_sub_ps(a, b); }
+  /// fl(a * b), never contracted with a later addition into an FMA.
+  static vf mul(vf a, vf b) noexcept {
+    vf r = _mm256_mul_ps(a, b);
+#  if defined(__GNUC__)
+    __asm__("" : "+x"(r));
+#  endif
+    return r;
+  }
+  static vf div(vf a, vf b) noexcept { return _mm256_div_ps(a, b); }
+  static vf min(vf a, vf b) noexcept { return _mm256_min_ps(a, b); }
+  static vf max(vf a, vf b) noexcept { return _mm256_max_ps(a, b); }
+  static vf abs(vf a) noexcept { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+  /// Round to nearest, ties to even, whatever MXCSR says.
+  static vi cvt_rne(vf a) noexcept {
+    return _mm256_cvttps_epi32(_mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static vi cvtt(vf a) noexcept { return _mm256_cvttps_epi32(a); }
+  static vf cvt_f(vi a) noexcept { return _mm256_cvtepi32_ps(a); }
+  static vi bits(vf a) noexcept { return _mm256_castps_si256(a); }
+  static vf from_bits(vi a) noexcept { return _mm256_castsi256_ps(a); }
+  static float reduce_max(vf v) noexcept {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static float reduce_min(vf v) noexcept {
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_min_ss(m, _mm_movehdup_ps(m)));
+  }
+  static vm ge_f(vf a, vf b) noexcept { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
+  static vm le_f(vf a, vf b) noexcept { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LE_OQ)); }
+  static vm gt_f(vf a, vf b) noexcept { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+  static vm eq_f(vf a, vf b) noexcept { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+  static vf select_f(vm m, vf a, vf b) noexcept { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
+
+  // Integer lanes.
+  static vi load_i(std::int32_t const* p) noexcept { return _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)); }
+  static void store_i(std::int32_t* p, vi v) noexcept { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static vi set1_i(std::int32_t x) noexcept { return _mm256_set1_epi32(x); }
+  static vi and_i(vi a, vi b) noexcept { return _mm256_and_si256(a, b); }
+  static vi or_i(vi a, vi b) noexcept { return _mm256_or_si256(a, b); }
+  static vi add_i(vi a, vi b) noexcept { return _mm256_add_epi32(a, b); }
+  static vi sub_i(vi a, vi b) noexcept { return _mm256_sub_epi32(a, b); }
+  static vi min_i(vi a, vi b) noexcept { return _mm256_min_epi32(a, b); }
+  template <int K>
+  static vi srli(vi a) noexcept {
+    return _mm256_srli_epi32(a, K);
+  }
+  template <int K>
+  static vi slli(vi a) noexcept {
+    return _mm256_slli_epi32(a, K);
+  }
+  static vi srl_n(vi a, int k) noexcept { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(k)); }
+  static vi sll_n(vi a, int k) noexcept { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(k)); }
+  static vm gt_i(vi a, vi b) noexcept { return _mm256_cmpgt_epi32(a, b); }
+  static vm eq_i(vi a, vi b) noexcept { return _mm256_cmpeq_epi32(a, b); }
+  static vi select_i(vm m, vi a, vi b) noexcept { return _mm256_blendv_epi8(b, a, m); }
+
+  // Masks.
+  static vm mask_false() noexcept { return _mm256_setzero_si256(); }
+  static vm mask_or(vm a, vm b) noexcept { return _mm256_or_si256(a, b); }
+  static bool any(vm m) noexcept { return !_mm256_testz_si256(m, m); }
+  /// Bit l set when lane l is.
+  static unsigned mask_bits(vm m) noexcept { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(m))); }
+  static vm lanes_below(int n) noexcept {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+
+  // Narrow and wide memory.
+  static vi load_u8(std::uint8_t const* p) noexcept {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(p)));
+  }
+  static vi load_i8(std::uint8_t const* p) noexcept {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(p)));
+  }
+  /// The low byte of each lane, in lane order, as an 8-byte vector (low half of the result).
+  static __m128i narrow_u8(vi v) noexcept {
+    __m256i const pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,  //
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i const b = _mm256_shuffle_epi8(v, pick);
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  }
+  static void store_u8(std::uint8_t* p, vi v) noexcept {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), narrow_u8(v));
+  }
+  static vi load_u16(std::uint16_t const* p) noexcept {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+  }
+  static void store_u16(std::uint16_t* p, vi v) noexcept {
+    __m256i const pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,  //
+                                          0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i const b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(b));
+  }
+
+  // f16 (F16C): RNE with NaN quieted, top payload kept — numeric.h's f32_to_f16_bits exactly.
+  static void f16_store_hw(std::uint16_t* p, vf v) noexcept {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static vi f32_to_f16_hw(vf v) noexcept {
+    return _mm256_cvtepu16_epi32(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  /// Exact except that signalling NaNs come back quieted (simd_codecs repairs them).
+  static vf f16_load_hw(std::uint16_t const* p) noexcept {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+  }
+
+  // Packed b-bit codes, LSB first: 8 codes -> B bytes.
+  template <int B>
+  static void store_codes(std::uint8_t* p, vi q) noexcept {
+    __m128i const b = narrow_u8(q);  // 8 codes as bytes
+    if constexpr (B == 8) {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(p), b);
+    } else if constexpr (B == 4) {
+      __m128i const pairs = _mm_maddubs_epi16(b, _mm_set1_epi16(0x1001));  // c0 + 16 c1 per 16 bits
+      std::uint32_t const w = static_cast<std::uint32_t>(_mm_cvtsi128_si32(_mm_packus_epi16(pairs, pairs)));
+      std::memcpy(p, &w, 4);
+    } else {
+      __m128i const pairs = _mm_maddubs_epi16(b, _mm_set1_epi16(0x0401));       // c0 + 4 c1
+      __m128i const quads = _mm_madd_epi16(pairs, _mm_set1_epi32(0x00100001));  // + 16 (c2 + 4 c3)
+      __m128i const w16 = _mm_packus_epi32(quads, quads);
+      std::uint16_t const w = static_cast<std::uint16_t>(_mm_cvtsi128_si32(_mm_packus_epi16(w16, w16)));
+      std::memcpy(p, &w, 2);
+    }
+  }
+  /// 8 codes of B bits from B bytes at p.
+  template <int B>
+  static vi load_codes(std::uint8_t const* p) noexcept {
+    if constexpr (B == 8) {
+      return load_u8(p);
+    } else if constexpr (B == 4) {
+      std::uint32_t w;
+      std::memcpy(&w, p, 4);
+      __m256i const sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+      return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), sh), _mm256_set1_epi32(15));
+    } else {
+      std::uint16_t w;
+      std::memcpy(&w, p, 2);
+      __m256i const sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+      return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), _mm256_set1_epi32(3));
+    }
+  }
+  /// Lane l = the 4 bytes at base + l * stride.
+  static vi gather_u32(std::uint8_t const* base, int stride) noexcept {
+    __m256i const idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+    return _mm256_i32gather_epi32(reinterpret_cast<int const*>(base), idx, 1);
+  }
+};
+
+KVQ_CPU_DEFINE_ENTRY_POINTS(ops)
+
+}  // namespace cpu_kernels::avx2
+KVQ_NAMESPACE_END
+
+#endif  // AVX2 && FMA && F16C

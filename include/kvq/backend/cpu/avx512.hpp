@@ -1,0 +1,210 @@
+// kvq: AVX-512 (F, BW, VL) codec kernels, kvq::cpu_kernels::avx512.
+//
+// Compiled when the translation unit is built with AVX-512 F, BW and VL (and AVX2, FMA, F16C,
+// which every such CPU has); otherwise this header defines nothing. The kernels are
+// simd_codecs.hpp over the 16-lane policy below and reproduce the scalar reference bit for bit.
+// VNNI and BF16 bring nothing to encode and decode: AVX512-BF16's VCVTNEPS2BF16 flushes
+// subnormal inputs to zero, which the reference (numeric.h) does not, so bf16 stays integer code.
+#pragma once
+
+#include "../../detail/config.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
+
+#  include <immintrin.h>
+
+#  include <cstddef>
+#  include <cstdint>
+#  include <cstring>
+#  include <string_view>
+
+#  include "simd_codecs.hpp"
+
+#  define KVQ_CPU_HAS_AVX512 1
+
+KVQ_NAMESPACE_BEGIN
+namespace cpu_kernels::avx512 {
+
+/// The name of this instruction set, as reported by simd_level().
+inline constexpr std::string_view name = "avx512";
+
+// GCC 12's AVX-512 intrinsics pass _mm512_undefined_*() (`__m512 __Y = __Y;`) as the unused
+// merge source, which -W(maybe-)uninitialized reports wherever they are inlined
+// (https://gcc.gnu.org/bugzilla/show_bug.cgi?id=105593, fixed in GCC 13).
+#  if defined(__GNUC__) && !defined(__clang__)
+#    pragma GCC diagnostic push
+#    pragma GCC diagnostic ignored "-Wuninitialized"
+#    pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#  endif
+
+/// The 16-lane AVX-512 vector policy of simd_codecs.
+struct ops {
+  static constexpr int W = 16;
+  using vf = __m512;
+  using vi = __m512i;
+  using vm = __mmask16;
+
+  // Float lanes.
+  static vf load(float const* p) noexcept { return _mm512_loadu_ps(p); }
+  static void store(float* p, vf v) noexcept { _mm512_storeu_ps(p, v); }
+  static vf set1(float x) noexcept { return _mm512_set1_ps(x); }
+  static vf add(vf a, vf b) noexcept { return _mm512_add_ps(a, b); }
+  static vf sub(vf a, vf b) noexcept { return _mm512_sub_ps(a, b); }
+  /// fl(a * b), never contracted with a later addition into an FMA.
+  static vf mul(vf a, vf b) noexcept {
+    vf r = _mm512_mul_ps(a, b);
+#  if defined(__GNUC__)
+    __asm__("" : "+v"(r));
+#  endif
+    return r;
+  }
+  static vf div(vf a, vf b) noexcept { return _mm512_div_ps(a, b); }
+  static vf min(vf a, vf b) noexcept { return _mm512_min_ps(a, b); }
+  static vf max(vf a, vf b) noexcept { return _mm512_max_ps(a, b); }
+  static vf abs(vf a) noexcept {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff)));
+  }
+  /// Round to nearest, ties to even (embedded rounding: MXCSR is not consulted).
+  static vi cvt_rne(vf a) noexcept {
+    return _mm512_cvt_roundps_epi32(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static vi cvtt(vf a) noexcept { return _mm512_cvttps_epi32(a); }
+  static vf cvt_f(vi a) noexcept { return _mm512_cvtepi32_ps(a); }
+  static vi bits(vf a) noexcept { return _mm512_castps_si512(a); }
+  static vf from_bits(vi a) noexcept { return _mm512_castsi512_ps(a); }
+  static float reduce_max(vf v) noexcept {
+    __m256 const h =
+        _mm256_max_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static float reduce_min(vf v) noexcept {
+    __m256 const h =
+        _mm256_min_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_min_ss(m, _mm_movehdup_ps(m)));
+  }
+  static vm ge_f(vf a, vf b) noexcept { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+  static vm le_f(vf a, vf b) noexcept { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+  static vm gt_f(vf a, vf b) noexcept { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static vm eq_f(vf a, vf b) noexcept { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static vf select_f(vm m, vf a, vf b) noexcept { return _mm512_mask_blend_ps(m, b, a); }
+
+  // Integer lanes.
+  static vi load_i(std::int32_t const* p) noexcept { return _mm512_loadu_si512(p); }
+  static void store_i(std::int32_t* p, vi v) noexcept { _mm512_storeu_si512(p, v); }
+  static vi set1_i(std::int32_t x) noexcept { return _mm512_set1_epi32(x); }
+  static vi and_i(vi a, vi b) noexcept { return _mm512_and_si512(a, b); }
+  static vi or_i(vi a, vi b) noexcept { return _mm512_or_si512(a, b); }
+  static vi add_i(vi a, vi b) noexcept { return _mm512_add_epi32(a, b); }
+  static vi sub_i(vi a, vi b) noexcept { return _mm512_sub_epi32(a, b); }
+  static vi min_i(vi a, vi b) noexcept { return _mm512_min_epi32(a, b); }
+  template <int K>
+  static vi srli(vi a) noexcept {
+    return _mm512_srli_epi32(a, K);
+  }
+  template <int K>
+  static vi slli(vi a) noexcept {
+    return _mm512_slli_epi32(a, K);
+  }
+  static vi srl_n(vi a, int k) noexcept { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(k)); }
+  static vi sll_n(vi a, int k) noexcept { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(k)); }
+  static vm gt_i(vi a, vi b) noexcept { return _mm512_cmpgt_epi32_mask(a, b); }
+  static vm eq_i(vi a, vi b) noexcept { return _mm512_cmpeq_epi32_mask(a, b); }
+  static vi select_i(vm m, vi a, vi b) noexcept { return _mm512_mask_blend_epi32(m, b, a); }
+
+  // Masks.
+  static vm mask_false() noexcept { return 0; }
+  static vm mask_or(vm a, vm b) noexcept { return static_cast<vm>(a | b); }
+  static bool any(vm m) noexcept { return m != 0; }
+  /// Bit l set when lane l is.
+  static unsigned mask_bits(vm m) noexcept { return static_cast<unsigned>(m); }
+  static vm lanes_below(int n) noexcept {
+    return n >= 16 ? static_cast<vm>(0xffff) : n <= 0 ? static_cast<vm>(0) : static_cast<vm>((1u << n) - 1u);
+  }
+
+  // Narrow and wide memory.
+  static vi load_u8(std::uint8_t const* p) noexcept {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+  }
+  static vi load_i8(std::uint8_t const* p) noexcept {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+  }
+  static void store_u8(std::uint8_t* p, vi v) noexcept {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+  }
+  static vi load_u16(std::uint16_t const* p) noexcept {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
+  }
+  static void store_u16(std::uint16_t* p, vi v) noexcept {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v));
+  }
+
+  // f16: RNE with NaN quieted, top payload kept — numeric.h's f32_to_f16_bits exactly.
+  static void f16_store_hw(std::uint16_t* p, vf v) noexcept {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static vi f32_to_f16_hw(vf v) noexcept {
+    return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  /// Exact except that signalling NaNs come back quieted (simd_codecs repairs them).
+  static vf f16_load_hw(std::uint16_t const* p) noexcept {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
+  }
+
+  // Packed b-bit codes, LSB first: 16 codes -> 2 * B bytes.
+  template <int B>
+  static void store_codes(std::uint8_t* p, vi q) noexcept {
+    __m128i const b = _mm512_cvtepi32_epi8(q);  // 16 codes as bytes
+    if constexpr (B == 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
+    } else if constexpr (B == 4) {
+      __m128i const pairs = _mm_maddubs_epi16(b, _mm_set1_epi16(0x1001));  // c0 + 16 c1 per 16 bits
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(pairs, pairs));
+    } else {
+      __m128i const pairs = _mm_maddubs_epi16(b, _mm_set1_epi16(0x0401));       // c0 + 4 c1
+      __m128i const quads = _mm_madd_epi16(pairs, _mm_set1_epi32(0x00100001));  // + 16 (c2 + 4 c3)
+      __m128i const w16 = _mm_packus_epi32(quads, quads);
+      std::uint32_t const w = static_cast<std::uint32_t>(_mm_cvtsi128_si32(_mm_packus_epi16(w16, w16)));
+      std::memcpy(p, &w, 4);
+    }
+  }
+  /// 16 codes of B bits from 2 * B bytes at p.
+  template <int B>
+  static vi load_codes(std::uint8_t const* p) noexcept {
+    if constexpr (B == 8) {
+      return load_u8(p);
+    } else if constexpr (B == 4) {
+      __m128i const b = _mm_loadl_epi64(reinterpret_cast<__m128i const*>(p));
+      __m128i const lo = _mm_and_si128(b, _mm_set1_epi8(15));
+      __m128i const hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+      return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+    } else {
+      std::uint32_t w;
+      std::memcpy(&w, p, 4);
+      __m512i const sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)), sh), _mm512_set1_epi32(3));
+    }
+  }
+  /// Lane l = the 4 bytes at base + l * stride.
+  static vi gather_u32(std::uint8_t const* base, int stride) noexcept {
+    __m512i const idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(stride));
+    return _mm512_i32gather_epi32(idx, base, 1);
+  }
+};
+
+#  if defined(__GNUC__) && !defined(__clang__)
+#    pragma GCC diagnostic pop
+#  endif
+
+KVQ_CPU_DEFINE_ENTRY_POINTS(ops)
+
+}  // namespace cpu_kernels::avx512
+KVQ_NAMESPACE_END
+
+#endif  // AVX-512 F + BW + VL

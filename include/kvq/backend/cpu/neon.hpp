@@ -1,0 +1,181 @@
+// kvq: AArch64 NEON codec kernels, kvq::cpu_kernels::neon.
+//
+// Compiled on AArch64 with NEON (always there); otherwise this header defines nothing. The kernels
+// are simd_codecs.hpp over the 4-lane policy below and reproduce the scalar reference bit for bit,
+// given the default FPCR (round to nearest, no flush-to-zero, no default-NaN mode), which the f16
+// conversions FCVTN/FCVTL and the float arithmetic use.
+#pragma once
+
+#include "../../detail/config.h"
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+
+#  include <arm_neon.h>
+
+#  include <cstddef>
+#  include <cstdint>
+#  include <cstring>
+#  include <string_view>
+
+#  include "simd_codecs.hpp"
+
+#  define KVQ_CPU_HAS_NEON 1
+
+KVQ_NAMESPACE_BEGIN
+namespace cpu_kernels::neon {
+
+/// The name of this instruction set, as reported by simd_level().
+inline constexpr std::string_view name = "neon";
+
+/// The 4-lane NEON vector policy of simd_codecs.
+struct ops {
+  static constexpr int W = 4;
+  using vf = float32x4_t;
+  using vi = int32x4_t;
+  using vm = uint32x4_t;  // all-ones lanes
+
+  // Float lanes.
+  static vf load(float const* p) noexcept { return vld1q_f32(p); }
+  static void store(float* p, vf v) noexcept { vst1q_f32(p, v); }
+  static vf set1(float x) noexcept { return vdupq_n_f32(x); }
+  static vf add(vf a, vf b) noexcept { return vaddq_f32(a, b); }
+  static vf sub(vf a, vf b) noexcept { return vsubq_f32(a, b); }
+  /// fl(a * b), never contracted with a later addition into an FMLA.
+  static vf mul(vf a, vf b) noexcept {
+    vf r = vmulq_f32(a, b);
+#  if defined(__GNUC__)
+    __asm__("" : "+w"(r));
+#  endif
+    return r;
+  }
+  static vf div(vf a, vf b) noexcept { return vdivq_f32(a, b); }
+  static vf min(vf a, vf b) noexcept { return vminq_f32(a, b); }
+  static vf max(vf a, vf b) noexcept { return vmaxq_f32(a, b); }
+  static vf abs(vf a) noexcept { return vabsq_f32(a); }
+  /// Round to nearest, ties to even (FCVTNS: FPCR.RMode is not consulted).
+  static vi cvt_rne(vf a) noexcept { return vcvtnq_s32_f32(a); }
+  static vi cvtt(vf a) noexcept { return vcvtq_s32_f32(a); }
+  static vf cvt_f(vi a) noexcept { return vcvtq_f32_s32(a); }
+  static vi bits(vf a) noexcept { return vreinterpretq_s32_f32(a); }
+  static vf from_bits(vi a) noexcept { return vreinterpretq_f32_s32(a); }
+  static float reduce_max(vf v) noexcept { return vmaxvq_f32(v); }
+  static float reduce_min(vf v) noexcept { return vminvq_f32(v); }
+  static vm ge_f(vf a, vf b) noexcept { return vcgeq_f32(a, b); }
+  static vm le_f(vf a, vf b) noexcept { return vcleq_f32(a, b); }
+  static vm gt_f(vf a, vf b) noexcept { return vcgtq_f32(a, b); }
+  static vm eq_f(vf a, vf b) noexcept { return vceqq_f32(a, b); }
+  static vf select_f(vm m, vf a, vf b) noexcept { return vbslq_f32(m, a, b); }
+
+  // Integer lanes.
+  static vi load_i(std::int32_t const* p) noexcept { return vld1q_s32(p); }
+  static void store_i(std::int32_t* p, vi v) noexcept { vst1q_s32(p, v); }
+  static vi set1_i(std::int32_t x) noexcept { return vdupq_n_s32(x); }
+  static vi and_i(vi a, vi b) noexcept { return vandq_s32(a, b); }
+  static vi or_i(vi a, vi b) noexcept { return vorrq_s32(a, b); }
+  static vi add_i(vi a, vi b) noexcept { return vaddq_s32(a, b); }
+  static vi sub_i(vi a, vi b) noexcept { return vsubq_s32(a, b); }
+  static vi min_i(vi a, vi b) noexcept { return vminq_s32(a, b); }
+  template <int K>
+  static vi srli(vi a) noexcept {
+    return vreinterpretq_s32_u32(vshrq_n_u32(vreinterpretq_u32_s32(a), K));
+  }
+  template <int K>
+  static vi slli(vi a) noexcept {
+    return vshlq_n_s32(a, K);
+  }
+  static vi srl_n(vi a, int k) noexcept {
+    return vreinterpretq_s32_u32(vshlq_u32(vreinterpretq_u32_s32(a), vdupq_n_s32(-k)));
+  }
+  static vi sll_n(vi a, int k) noexcept {
+    return vreinterpretq_s32_u32(vshlq_u32(vreinterpretq_u32_s32(a), vdupq_n_s32(k)));
+  }
+  static vm gt_i(vi a, vi b) noexcept { return vcgtq_s32(a, b); }
+  static vm eq_i(vi a, vi b) noexcept { return vceqq_s32(a, b); }
+  static vi select_i(vm m, vi a, vi b) noexcept { return vbslq_s32(m, a, b); }
+
+  // Masks.
+  static vm mask_false() noexcept { return vdupq_n_u32(0); }
+  static vm mask_or(vm a, vm b) noexcept { return vorrq_u32(a, b); }
+  static bool any(vm m) noexcept { return vmaxvq_u32(m) != 0; }
+  /// Bit l set when lane l is.
+  static unsigned mask_bits(vm m) noexcept {
+    static constexpr std::uint32_t bit[4] = {1, 2, 4, 8};
+    return vaddvq_u32(vandq_u32(m, vld1q_u32(bit)));
+  }
+  static vm lanes_below(int n) noexcept {
+    static constexpr std::int32_t lane[4] = {0, 1, 2, 3};
+    return vcgtq_s32(vdupq_n_s32(n), vld1q_s32(lane));
+  }
+
+  // Narrow and wide memory.
+  static uint8x8_t load_4_bytes(std::uint8_t const* p) noexcept {
+    std::uint32_t w;
+    std::memcpy(&w, p, 4);
+    return vreinterpret_u8_u32(vdup_n_u32(w));
+  }
+  static vi load_u8(std::uint8_t const* p) noexcept {
+    return vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(load_4_bytes(p)))));
+  }
+  static vi load_i8(std::uint8_t const* p) noexcept {
+    return vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(load_4_bytes(p)))));
+  }
+  static void store_u8(std::uint8_t* p, vi v) noexcept {
+    uint16x4_t const h = vmovn_u32(vreinterpretq_u32_s32(v));
+    uint8x8_t const b = vmovn_u16(vcombine_u16(h, h));
+    std::uint32_t const w = vget_lane_u32(vreinterpret_u32_u8(b), 0);
+    std::memcpy(p, &w, 4);
+  }
+  static vi load_u16(std::uint16_t const* p) noexcept { return vreinterpretq_s32_u32(vmovl_u16(vld1_u16(p))); }
+  static void store_u16(std::uint16_t* p, vi v) noexcept { vst1_u16(p, vmovn_u32(vreinterpretq_u32_s32(v))); }
+
+  // f16 (FCVTN/FCVTL): RNE with NaN quieted, top payload kept — numeric.h's f32_to_f16_bits.
+  static void f16_store_hw(std::uint16_t* p, vf v) noexcept { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v))); }
+  static vi f32_to_f16_hw(vf v) noexcept {
+    return vreinterpretq_s32_u32(vmovl_u16(vreinterpret_u16_f16(vcvt_f16_f32(v))));
+  }
+  /// Exact except that signalling NaNs come back quieted (simd_codecs repairs them).
+  static vf f16_load_hw(std::uint16_t const* p) noexcept { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+
+  // Packed b-bit codes, LSB first: 4 codes -> B / 2 bytes.
+  template <int B>
+  static void store_codes(std::uint8_t* p, vi q) noexcept {
+    if constexpr (B == 8) {
+      store_u8(p, q);
+    } else {
+      static constexpr std::int32_t shift[4] = {0, B, 2 * B, 3 * B};
+      std::uint32_t const w = vaddvq_u32(vshlq_u32(vreinterpretq_u32_s32(q), vld1q_s32(shift)));
+      if constexpr (B == 4) {
+        std::uint16_t const h = static_cast<std::uint16_t>(w);
+        std::memcpy(p, &h, 2);
+      } else {
+        *p = static_cast<std::uint8_t>(w);
+      }
+    }
+  }
+  /// 4 codes of B bits from B / 2 bytes at p.
+  template <int B>
+  static vi load_codes(std::uint8_t const* p) noexcept {
+    if constexpr (B == 8) {
+      return load_u8(p);
+    } else {
+      std::uint32_t w = 0;
+      std::memcpy(&w, p, B / 2);
+      static constexpr std::int32_t shift[4] = {0, -B, -2 * B, -3 * B};
+      uint32x4_t const v = vshlq_u32(vdupq_n_u32(w), vld1q_s32(shift));
+      return vreinterpretq_s32_u32(vandq_u32(v, vdupq_n_u32((1u << B) - 1u)));
+    }
+  }
+  /// Lane l = the 4 bytes at base + l * stride.
+  static vi gather_u32(std::uint8_t const* base, int stride) noexcept {
+    std::int32_t w[4];
+    for (int l = 0; l < 4; ++l) std::memcpy(&w[l], base + l * stride, 4);
+    return vld1q_s32(w);
+  }
+};
+
+KVQ_CPU_DEFINE_ENTRY_POINTS(ops)
+
+}  // namespace cpu_kernels::neon
+KVQ_NAMESPACE_END
+
+#endif  // AArch64 NEON

@@ -1,0 +1,890 @@
+// kvq: the CPU codec kernels, written once over a vector-operations policy `V` (one per ISA).
+//
+// avx2.hpp, avx512.hpp and neon.hpp each define a policy (`ops`: lane count W, float/int/mask
+// vector types and a few dozen static functions) and instantiate `simd_codecs<ops>` in their own
+// namespace. Every kernel here reproduces the scalar reference bit for bit:
+//   * the element math is the one of detail/math_*.h, step by step, with the same rounding steps:
+//     every product that feeds an addition goes through V::mul, which is opaque to the compiler,
+//     so no FMA contraction can happen whatever -ffp-contract says;
+//   * float -> int conversions use explicit rounding (V::cvt_rne: ties to even, V::cvtt: toward
+//     zero), never the current rounding mode; q8_0's roundf (ties away) is built from cvtt;
+//   * per-block scalar steps (scales, fp16 headers) call the reference functions themselves;
+//   * partial vectors (head_dim not a multiple of W, padding of blocks) go through zero-padded or
+//     duplicate-padded temporaries, so no load or store ever leaves the caller's buffers.
+// The policy's f32 -> f16 conversion must be RNE with NaN quieted keeping the top payload bits
+// (F16C and AArch64 FCVTN are); its f16 -> f32 conversion may quiet signalling NaNs, which
+// f16_to_f32 below repairs (numeric.h keeps them).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "../../codec/fp8.hpp"
+#include "../../codec/int8.hpp"
+#include "../../codec/kivi.hpp"
+#include "../../codec/passthrough.hpp"
+#include "../../codec/q4_0.hpp"
+#include "../../codec/q8_0.hpp"
+#include "scalar.hpp"
+
+KVQ_NAMESPACE_BEGIN
+namespace cpu_kernels {
+namespace simd {
+
+/// Recognises kivi_value<Bits, G>.
+template <class C>
+struct kivi_value_traits : std::false_type {};
+template <int Bits, int G>
+struct kivi_value_traits<kivi_value<Bits, G>> : std::true_type {};
+
+/// Recognises kivi_key<Bits, G>.
+template <class C>
+struct kivi_key_traits : std::false_type {};
+template <int Bits, int G>
+struct kivi_key_traits<kivi_key<Bits, G>> : std::true_type {};
+
+/// Codec kernels over the vector policy V.
+template <class V>
+struct simd_codecs {
+  using vf = typename V::vf;
+  using vi = typename V::vi;
+  using vm = typename V::vm;
+  using u8 = std::uint8_t;
+  using u16 = std::uint16_t;
+  static constexpr int W = V::W;
+
+  // ---------------------------------------------------------------------------------------------
+  // Helpers
+
+  /// Loads n (may be <= 0) floats of p into the low lanes; the other lanes hold `fill`.
+  static vf load_pad(float const* p, int n, float fill) noexcept {
+    alignas(64) float t[W];
+    for (int i = 0; i < W; ++i) t[i] = i < n ? p[i] : fill;
+    return V::load(t);
+  }
+
+  /// Stores the low n (1 .. W) lanes of v to p.
+  static void store_part(float* p, vf v, int n) noexcept {
+    alignas(64) float t[W];
+    V::store(t, v);
+    std::memcpy(p, t, static_cast<std::size_t>(n) * sizeof(float));
+  }
+
+  /// Lanes holding a NaN or an infinity (exponent all ones).
+  static vm nonfinite(vf v) noexcept {
+    vi const e = V::set1_i(0x7f800000);
+    return V::eq_i(V::and_i(V::bits(v), e), e);
+  }
+
+  /// Exact f16 -> f32 of the f16 bits in the low 16 bits of each lane of h (numeric.h: NaN kept
+  /// as is, signalling ones included); `hw` is the policy's hardware conversion of the same bits.
+  static vf f16_fix_nan(vi h, vf hw) noexcept {
+    vi const e = V::set1_i(0x7c00);
+    vm const special = V::eq_i(V::and_i(h, e), e);
+    vi const exact = V::or_i(V::template slli<16>(V::and_i(h, V::set1_i(0x8000))),
+                             V::or_i(V::set1_i(0x7f800000), V::template slli<13>(V::and_i(h, V::set1_i(0x3ff)))));
+    return V::select_f(special, V::from_bits(exact), hw);
+  }
+
+  /// Exact f16 -> f32 of W halves at p.
+  static vf f16_load(u16 const* p) noexcept { return f16_fix_nan(V::load_u16(p), V::f16_load_hw(p)); }
+
+  /// bf16 bits (low 16 bits of each lane) of v, round to nearest even, NaN quieted (numeric.h).
+  static vi bf16_bits(vf v) noexcept {
+    vi const u = V::bits(v);
+    vi const hi = V::template srli<16>(u);
+    vi const r = V::template srli<16>(V::add_i(V::add_i(u, V::set1_i(0x7fff)), V::and_i(hi, V::set1_i(1))));
+    vm const nan = V::gt_i(V::and_i(u, V::set1_i(0x7fffffff)), V::set1_i(0x7f800000));
+    return V::select_i(nan, V::or_i(hi, V::set1_i(0x40)), r);
+  }
+
+  /// Saturating f16 of the hardware f16 bits h: ±Inf becomes ±65504 (numeric.h f32_to_f16_bits_sat).
+  static vi f16_saturate(vi h) noexcept {
+    vm const inf = V::eq_i(V::and_i(h, V::set1_i(0x7fff)), V::set1_i(0x7c00));
+    return V::select_i(inf, V::or_i(V::and_i(h, V::set1_i(0x8000)), V::set1_i(0x7bff)), h);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Element conversions
+
+  /// f32 -> f16, n elements.
+  static void to_f16(float const* x, u16* h, std::int64_t n) noexcept {
+    std::int64_t i = 0;
+    for (; i + W <= n; i += W) V::f16_store_hw(h + i, V::load(x + i));
+    if (i < n) {
+      int const r = static_cast<int>(n - i);
+      alignas(64) u16 t[W];
+      V::f16_store_hw(t, load_pad(x + i, r, 0.0f));
+      std::memcpy(h + i, t, static_cast<std::size_t>(r) * 2);
+    }
+  }
+
+  /// f16 -> f32, n elements (exact).
+  static void from_f16(u16 const* h, float* y, std::int64_t n) noexcept {
+    std::int64_t i = 0;
+    for (; i + W <= n; i += W) V::store(y + i, f16_load(h + i));
+    if (i < n) {
+      int const r = static_cast<int>(n - i);
+      alignas(64) u16 t[W] = {};
+      std::memcpy(t, h + i, static_cast<std::size_t>(r) * 2);
+      store_part(y + i, f16_load(t), r);
+    }
+  }
+
+  /// f32 -> bf16, n elements.
+  static void to_bf16(float const* x, u16* h, std::int64_t n) noexcept {
+    std::int64_t i = 0;
+    for (; i + W <= n; i += W) V::store_u16(h + i, bf16_bits(V::load(x + i)));
+    if (i < n) {
+      int const r = static_cast<int>(n - i);
+      alignas(64) u16 t[W];
+      V::store_u16(t, bf16_bits(load_pad(x + i, r, 0.0f)));
+      std::memcpy(h + i, t, static_cast<std::size_t>(r) * 2);
+    }
+  }
+
+  /// bf16 -> f32, n elements (exact).
+  static void from_bf16(u16 const* h, float* y, std::int64_t n) noexcept {
+    std::int64_t i = 0;
+    for (; i + W <= n; i += W) V::store(y + i, V::from_bits(V::template slli<16>(V::load_u16(h + i))));
+    if (i < n) {
+      int const r = static_cast<int>(n - i);
+      alignas(64) u16 t[W] = {};
+      std::memcpy(t, h + i, static_cast<std::size_t>(r) * 2);
+      store_part(y + i, V::from_bits(V::template slli<16>(V::load_u16(t))), r);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // q8_0 and q4_0 (blocks of 32)
+
+  static constexpr int kq = detail::qk_ggml / W;  // vectors per block
+
+  // Encoding runs over batches of W blocks (across rows): each block is scanned (amax, finiteness,
+  // q4_0's signed max), then the scales of the whole batch are computed in the W lanes of one
+  // vector — the same divisions and fp16 rounding as the reference, lane by lane — and finally
+  // each block's codes are written with its scale broadcast.
+
+  /// Scans a block: amax and whether it is finite; q4_0: the first element of largest magnitude.
+  template <bool Q4>
+  static void ggml_scan(float const* x, float& amax_out, float& max_out, std::int32_t& bad_out) noexcept {
+    vf v[kq];
+    vf amax = V::set1(0.0f);
+    vm bad = V::mask_false();
+    for (int k = 0; k < kq; ++k) {
+      v[k] = V::load(x + k * W);
+      amax = V::max(amax, V::abs(v[k]));
+      bad = V::mask_or(bad, nonfinite(v[k]));
+    }
+    float const am = V::reduce_max(amax);
+    amax_out = am;
+    bad_out = V::any(bad) ? -1 : 0;
+    if constexpr (Q4) {
+      // The lowest index whose magnitude is amax, sign kept; +0 when every element is ±0 (the
+      // reference never replaces its initial +0 then).
+      vf const amv = V::set1(am);
+      std::uint32_t hits = 0;
+      for (int k = 0; k < kq; ++k)
+        hits |= static_cast<std::uint32_t>(V::mask_bits(V::eq_f(V::abs(v[k]), amv))) << (k * W);
+      max_out = am > 0.0f && hits != 0 ? x[__builtin_ctz(hits)] : 0.0f;
+    }
+  }
+
+  /// Scales of a batch: id = ggml_inverse_scale(d) and the fp16 bits of d (0x7e00 when poisoned),
+  /// where d = amax / 127 (q8_0) or max / -8 (q4_0).
+  template <bool Q4>
+  static void ggml_scales(float const* amax, float const* max, std::int32_t const* bad, float* id, u16* dh) noexcept {
+    vf const d = Q4 ? V::div(V::load(max), V::set1(-8.0f)) : V::div(V::load(amax), V::set1(127.0f));
+    vf const zero = V::set1(0.0f);
+    vf const inv = V::div(V::set1(1.0f), d);
+    vm const no_inverse = V::mask_or(V::eq_f(d, zero), nonfinite(inv));
+    V::store(id, V::select_f(no_inverse, zero, inv));
+    vm const poisoned = V::eq_i(V::load_i(bad), V::set1_i(-1));
+    V::store_u16(dh, V::select_i(poisoned, V::set1_i(detail::poisoned_f16_scale), V::f32_to_f16_hw(d)));
+  }
+
+  /// Writes the 32 codes of a finite q8_0 block: roundf(x * id).
+  ///
+  /// roundf(p) == trunc(p + copysign(0.49999997f, p)) for every |p| < 2^31 (checked exhaustively
+  /// over all floats): the largest float below 1/2 pushes exact halves across, nothing else.
+  static void q8_0_codes(float const* x, float id, u8* qs) noexcept {
+    vf const idv = V::set1(id);
+    vi const sign = V::set1_i(static_cast<std::int32_t>(0x80000000u));
+    vi const below_half = V::set1_i(0x3effffff);  // 0.49999997f
+    for (int k = 0; k < kq; ++k) {
+      vf const p = V::mul(V::load(x + k * W), idv);
+      vf const nudge = V::from_bits(V::or_i(V::and_i(V::bits(p), sign), below_half));
+      V::store_u8(qs + k * W, V::cvtt(V::add(p, nudge)));  // low byte, as the reference's cast to signed char
+    }
+  }
+
+  /// Writes the 16 nibble bytes of a finite q4_0 block: min(15, trunc(fl(x * id) + 8.5)).
+  static void q4_0_codes(float const* x, float id, u8* qs) noexcept {
+    vf const idv = V::set1(id);
+    vf const bias = V::set1(8.5f);
+    vi const top = V::set1_i(15);
+    vi c[kq];
+    for (int k = 0; k < kq; ++k) c[k] = V::min_i(V::cvtt(V::add(V::mul(V::load(x + k * W), idv), bias)), top);
+    for (int k = 0; k < kq / 2; ++k) V::store_u8(qs + k * W, V::or_i(c[k], V::template slli<4>(c[k + kq / 2])));
+  }
+
+  /// Encodes a batch of n (1 .. W) full blocks x[i] (32 floats each) into dst[i].
+  template <bool Q4>
+  static void ggml_batch(float const* const* x, u8* const* dst, int n) noexcept {
+    alignas(64) float amax[W] = {};
+    alignas(64) float max[W] = {};
+    alignas(64) std::int32_t bad[W] = {};
+    alignas(64) float id[W];
+    alignas(64) u16 dh[W];
+    for (int i = 0; i < n; ++i) ggml_scan<Q4>(x[i], amax[i], max[i], bad[i]);
+    ggml_scales<Q4>(amax, max, bad, id, dh);
+    for (int i = 0; i < n; ++i) {
+      std::memcpy(dst[i], &dh[i], 2);
+      u8* const qs = dst[i] + 2;
+      if (bad[i])
+        std::memset(qs, Q4 ? 0x88 : 0, Q4 ? detail::qk_ggml / 2 : detail::qk_ggml);  // neutral codes
+      else if constexpr (Q4)
+        q4_0_codes(x[i], id[i], qs);
+      else
+        q8_0_codes(x[i], id[i], qs);
+    }
+  }
+
+  template <bool Q4>
+  static void ggml_encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst,
+                               std::size_t ds) noexcept {
+    constexpr int qk = detail::qk_ggml;
+    constexpr std::size_t bytes = Q4 ? sizeof(detail::block_q4_0) : sizeof(detail::block_q8_0);
+    alignas(64) float pad[W][qk];  // zero-padded copies of partial blocks (zeros take no part in amax/max)
+    float const* bx[W];
+    u8* bd[W];
+    int n = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (int c = 0; c < hd; c += qk) {
+        float const* const src = x + r * xs + c;
+        if (hd - c >= qk) {
+          bx[n] = src;
+        } else {
+          std::memset(pad[n], 0, sizeof pad[n]);
+          std::memcpy(pad[n], src, static_cast<std::size_t>(hd - c) * sizeof(float));
+          bx[n] = pad[n];
+        }
+        bd[n] = dst + static_cast<std::size_t>(r) * ds + static_cast<std::size_t>(c / qk) * bytes;
+        if (++n == W) {
+          ggml_batch<Q4>(bx, bd, n);
+          n = 0;
+        }
+      }
+    }
+    if (n) ggml_batch<Q4>(bx, bd, n);
+  }
+
+  /// Decodes the first n (1 .. 32) values of a q8_0 block.
+  static void q8_0_decode_block(u8 const* src, int n, float* y) noexcept {
+    u16 dh;
+    std::memcpy(&dh, src, 2);
+    vf const d = V::set1(detail::f16_bits_to_f32(dh));
+    u8 const* const qs = src + 2;
+    for (int k = 0; k < kq && k * W < n; ++k) {
+      vf const r = V::mul(V::cvt_f(V::load_i8(qs + k * W)), d);
+      if ((k + 1) * W <= n)
+        V::store(y + k * W, r);
+      else
+        store_part(y + k * W, r, n - k * W);
+    }
+  }
+
+  /// Decodes the first n (1 .. 32) values of a q4_0 block.
+  static void q4_0_decode_block(u8 const* src, int n, float* y) noexcept {
+    u16 dh;
+    std::memcpy(&dh, src, 2);
+    vf const d = V::set1(detail::f16_bits_to_f32(dh));
+    u8 const* const qs = src + 2;
+    vi const eight = V::set1_i(8);
+    for (int k = 0; k < kq && k * W < n; ++k) {
+      vi const b = V::load_u8(qs + (k % (kq / 2)) * W);
+      vi const nib = k < kq / 2 ? V::and_i(b, V::set1_i(15)) : V::template srli<4>(b);
+      vf const r = V::mul(V::cvt_f(V::sub_i(nib, eight)), d);
+      if ((k + 1) * W <= n)
+        V::store(y + k * W, r);
+      else
+        store_part(y + k * W, r, n - k * W);
+    }
+  }
+
+  template <bool Q4>
+  static void ggml_decode_row(u8 const* src, int head_dim, float* y) noexcept {
+    constexpr std::size_t bytes = Q4 ? sizeof(detail::block_q4_0) : sizeof(detail::block_q8_0);
+    for (int c = 0; c < head_dim; c += detail::qk_ggml, src += bytes) {
+      int const n = head_dim - c < detail::qk_ggml ? head_dim - c : detail::qk_ggml;
+      if constexpr (Q4)
+        q4_0_decode_block(src, n, y + c);
+      else
+        q8_0_decode_block(src, n, y + c);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // int8 symmetric (one fp32 scale per row)
+
+  static void int8_encode_row(float const* x, int head_dim, u8* dst) noexcept {
+    int const full = head_dim / W * W;
+    int const rest = head_dim - full;
+    vf amaxv = V::set1(0.0f);
+    vm bad = V::mask_false();
+    for (int i = 0; i < full; i += W) {
+      vf const v = V::load(x + i);
+      amaxv = V::max(amaxv, V::abs(v));
+      bad = V::mask_or(bad, nonfinite(v));
+    }
+    vf const tail = rest ? load_pad(x + full, rest, 0.0f) : V::set1(0.0f);
+    amaxv = V::max(amaxv, V::abs(tail));
+    bad = V::mask_or(bad, nonfinite(tail));
+    bool const finite = !V::any(bad);
+    float const scale =
+        finite ? detail::int8_scale(V::reduce_max(amaxv)) : detail::f32_from_bits(detail::int8_poisoned_scale_bits);
+    std::memcpy(dst, &scale, 4);
+    u8* const q = dst + detail::int8_row_header_bytes;
+    if (!finite || scale == 0.0f) {
+      std::memset(q, 0, static_cast<std::size_t>(head_dim));
+      return;
+    }
+    vf const s = V::set1(scale);
+    vf const lo = V::set1(-127.0f);
+    vf const hi = V::set1(127.0f);
+    for (int i = 0; i < full; i += W) V::store_u8(q + i, V::cvt_rne(V::min(V::max(V::div(V::load(x + i), s), lo), hi)));
+    if (rest) {
+      alignas(64) u8 t[W];
+      V::store_u8(t, V::cvt_rne(V::min(V::max(V::div(tail, s), lo), hi)));
+      std::memcpy(q + full, t, static_cast<std::size_t>(rest));
+    }
+  }
+
+  static void int8_decode_row(u8 const* src, int head_dim, float* y) noexcept {
+    float scale;
+    std::memcpy(&scale, src, 4);
+    vf const s = V::set1(scale);
+    u8 const* const q = src + detail::int8_row_header_bytes;
+    int i = 0;
+    for (; i + W <= head_dim; i += W) V::store(y + i, V::mul(V::cvt_f(V::load_i8(q + i)), s));
+    if (i < head_dim) {
+      alignas(64) u8 t[W] = {};
+      std::memcpy(t, q + i, static_cast<std::size_t>(head_dim - i));
+      store_part(y + i, V::mul(V::cvt_f(V::load_i8(t)), s), head_dim - i);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // fp8 E4M3FN / E5M2 (math_fp8.h with integer lanes)
+
+  /// fp8 codes (low 8 bits of each lane) of v: MB mantissa bits, exponent bias Bias.
+  template <int MB, int Bias, int MaxMag, int OverflowMag>
+  static vi fp8_codes(vf v, bool saturate) noexcept {
+    vi const u = V::bits(v);
+    vi const a = V::and_i(u, V::set1_i(0x7fffffff));
+    vi const sign = V::and_i(V::template srli<24>(u), V::set1_i(0x80));
+    // Normal range: rebias, then drop 23 - MB mantissa bits with RNE (integer, as the reference).
+    constexpr int sh = 23 - MB;
+    vi const r = V::sub_i(a, V::set1_i((127 - Bias) << 23));
+    vi const odd = V::and_i(V::template srli<sh>(r), V::set1_i(1));
+    vi const normal = V::template srli<sh>(V::add_i(V::add_i(r, V::set1_i((1 << (sh - 1)) - 1)), odd));
+    // Subnormal range: |x| * 2^(Bias + MB - 1) is exact and < 2^MB; RNE to an integer counts quanta.
+    constexpr float quanta = static_cast<float>(1u << (Bias + MB - 1));
+    vi const sub = V::cvt_rne(V::mul(V::from_bits(a), V::set1(quanta)));
+    vi mag = V::select_i(V::gt_i(a, V::set1_i(((128 - Bias) << 23) - 1)), normal, sub);
+    mag = V::select_i(V::gt_i(mag, V::set1_i(MaxMag)), V::set1_i(saturate ? MaxMag : OverflowMag), mag);
+    vi const code = V::or_i(sign, mag);
+    return V::select_i(V::gt_i(a, V::set1_i(0x7f800000)), V::set1_i(detail::fp8_nan_code), code);
+  }
+
+  template <bool E4M3>
+  static vi fp8_encode_vec(vf v, vf scale, bool divide, bool saturate) noexcept {
+    if (divide) v = V::div(v, scale);
+    if constexpr (E4M3)
+      return fp8_codes<3, 7, detail::e4m3_max_code, 0x7f>(v, saturate);
+    else
+      return fp8_codes<2, 15, detail::e5m2_max_code, 0x7c>(v, saturate);
+  }
+
+  template <bool E4M3>
+  static void fp8_encode(float const* x, u8* dst, std::int64_t n, fp8_params const& p) noexcept {
+    bool const divide = p.scale != 1.0f;  // x / 1 == x exactly (NaN encodes to 0x7f either way)
+    bool const sat = p.overflow == fp8_overflow::saturate;
+    vf const s = V::set1(p.scale);
+    std::int64_t i = 0;
+    for (; i + W <= n; i += W) V::store_u8(dst + i, fp8_encode_vec<E4M3>(V::load(x + i), s, divide, sat));
+    if (i < n) {
+      int const r = static_cast<int>(n - i);
+      alignas(64) u8 t[W];
+      V::store_u8(t, fp8_encode_vec<E4M3>(load_pad(x + i, r, 0.0f), s, divide, sat));
+      std::memcpy(dst + i, t, static_cast<std::size_t>(r));
+    }
+  }
+
+  /// Exact values of the fp8 codes c (0 .. 255 per lane), as e4m3_to_f32 / e5m2_to_f32.
+  template <bool E4M3>
+  static vf fp8_values(vi c) noexcept {
+    constexpr int mb = E4M3 ? 3 : 2;
+    constexpr int bias = E4M3 ? 7 : 15;
+    vi const cm = V::and_i(c, V::set1_i(0x7f));
+    vi const sign = V::template slli<24>(V::and_i(c, V::set1_i(0x80)));
+    vi const m = V::and_i(cm, V::set1_i((1 << mb) - 1));
+    vi const normal = V::add_i(V::template slli<23 - mb>(cm), V::set1_i((127 - bias) << 23));
+    constexpr float quantum = 1.0f / static_cast<float>(1u << (bias + mb - 1));
+    vi const sub = V::bits(V::mul(V::cvt_f(m), V::set1(quantum)));  // m * 2^(1 - bias - mb), exact
+    vi val = V::select_i(V::gt_i(V::set1_i(1 << mb), cm), sub, normal);
+    if constexpr (E4M3) {
+      val = V::select_i(V::eq_i(cm, V::set1_i(0x7f)), V::set1_i(0x7fc00000), val);
+    } else {
+      val = V::select_i(V::gt_i(cm, V::set1_i(0x7b)),
+                        V::select_i(V::eq_i(cm, V::set1_i(0x7c)), V::set1_i(0x7f800000), V::set1_i(0x7fc00000)), val);
+    }
+    return V::from_bits(V::or_i(sign, val));
+  }
+
+  template <bool E4M3>
+  static void fp8_decode(u8 const* src, float* y, std::int64_t n, fp8_params const& p) noexcept {
+    vf const s = V::set1(p.scale);
+    std::int64_t i = 0;
+    for (; i + W <= n; i += W) V::store(y + i, V::mul(fp8_values<E4M3>(V::load_u8(src + i)), s));
+    if (i < n) {
+      int const r = static_cast<int>(n - i);
+      alignas(64) u8 t[W] = {};
+      std::memcpy(t, src + i, static_cast<std::size_t>(r));
+      store_part(y + i, V::mul(fp8_values<E4M3>(V::load_u8(t)), s), r);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // KIVI values: per token, groups of gv = min(G, head_dim) channels
+
+  /// Codes of v for the stored parameters (s > 0): clamp(rne((v - m) / s), 0, 2^B - 1).
+  static vi kivi_codes(vf v, vf s, vf m, vf top) noexcept {
+    vf const t = V::div(V::sub(v, m), s);
+    return V::cvt_rne(V::min(V::max(t, V::set1(0.0f)), top));
+  }
+
+  /// Decoded values of codes q: fl(fl(q * s) + m).
+  static vf kivi_values(vi q, vf s, vf m) noexcept { return V::add(V::mul(V::cvt_f(q), s), m); }
+
+  // Encoding runs over batches of W groups (across rows), like q8_0: each group's range is scanned,
+  // the fp16 parameters of the whole batch are computed in the W lanes of one vector (exactly
+  // kivi_make_header and f16_bits_to_f32, lane by lane), then each group's codes are written.
+
+  /// Loads chunk ch of a group of n real elements; padding lanes repeat x[0], which changes
+  /// neither the minimum, the maximum nor finiteness.
+  static vf kivi_chunk(float const* x, int n, int ch) noexcept {
+    int const real = n - ch * W;
+    return real >= W ? V::load(x + ch * W) : load_pad(x + ch * W, real, x[0]);
+  }
+
+  /// Encodes a batch of m (1 .. W) groups: group i has n[i] real elements at x[i] and its block
+  /// (header, `lanes` packed codes) at dst[i].
+  template <int B>
+  static void kivi_value_batch(float const* const* x, int const* n, u8* const* dst, int m, int lanes) noexcept {
+    constexpr int chunk_bytes = W * B / 8;
+    int const chunks = (lanes + W - 1) / W;
+    int const code_bytes = (lanes * B + 7) / 8;
+    alignas(64) float mn[W] = {};
+    alignas(64) float mx[W] = {};
+    alignas(64) std::int32_t bad[W] = {};
+    for (int i = 0; i < m; ++i) {
+      vf lo = V::set1(detail::f32_from_bits(0x7f800000u));
+      vf hi = V::set1(detail::f32_from_bits(0xff800000u));
+      vm nf = V::mask_false();
+      for (int ch = 0; ch < chunks; ++ch) {
+        vf const v = kivi_chunk(x[i], n[i], ch);
+        lo = V::min(lo, v);
+        hi = V::max(hi, v);
+        nf = V::mask_or(nf, nonfinite(v));
+      }
+      mn[i] = V::reduce_min(lo);
+      mx[i] = V::reduce_max(hi);
+      bad[i] = V::any(nf) ? -1 : 0;
+    }
+    // kivi_make_header for W groups: ±0 -> +0, scale = (mx - mn) / (2^B - 1), saturating fp16.
+    vf const zf = V::set1(0.0f);
+    vf vmn = V::load(mn);
+    vf vmx = V::load(mx);
+    vmn = V::select_f(V::eq_f(vmn, zf), zf, vmn);
+    vmx = V::select_f(V::eq_f(vmx, zf), zf, vmx);
+    vf const scale = V::div(V::sub(vmx, vmn), V::set1(static_cast<float>(detail::kivi_max_code(B))));
+    vm const poisoned = V::eq_i(V::load_i(bad), V::set1_i(-1));
+    vi const poison = V::set1_i(detail::kivi_poisoned_param);
+    alignas(64) u16 hs[W];
+    alignas(64) u16 hm[W];
+    V::store_u16(hs, V::select_i(poisoned, poison, f16_saturate(V::f32_to_f16_hw(scale))));
+    V::store_u16(hm, V::select_i(poisoned, poison, f16_saturate(V::f32_to_f16_hw(vmn))));
+    alignas(64) float s[W];
+    alignas(64) float mv[W];
+    V::store(s, f16_load(hs));
+    V::store(mv, f16_load(hm));
+
+    vf const top = V::set1(static_cast<float>(detail::kivi_max_code(B)));
+    vi const zero = V::set1_i(0);
+    for (int i = 0; i < m; ++i) {
+      u8* const d = dst[i];
+      detail::kivi_store_u16(d, hs[i]);
+      detail::kivi_store_u16(d + 2, hm[i]);
+      u8* const codes = d + detail::kivi_group_header_bytes;
+      if (bad[i] || !(s[i] > 0.0f)) {  // poisoned, constant or underflowed scale: every code 0
+        std::memset(codes, 0, static_cast<std::size_t>(code_bytes));
+        continue;
+      }
+      vf const sv = V::set1(s[i]);
+      vf const mvv = V::set1(mv[i]);
+      for (int ch = 0; ch < chunks; ++ch) {
+        int const real = n[i] - ch * W;
+        vi q = kivi_codes(kivi_chunk(x[i], n[i], ch), sv, mvv, top);
+        if (real < W) q = V::select_i(V::lanes_below(real), q, zero);  // padding lanes hold code 0
+        int const left = code_bytes - ch * chunk_bytes;
+        if (left >= chunk_bytes) {
+          V::template store_codes<B>(codes + ch * chunk_bytes, q);
+        } else {
+          alignas(64) u8 t[chunk_bytes];
+          V::template store_codes<B>(t, q);
+          std::memcpy(codes + ch * chunk_bytes, t, static_cast<std::size_t>(left));
+        }
+      }
+    }
+  }
+
+  /// Decodes the n real elements of one group of `lanes` lanes.
+  template <int B>
+  static void kivi_value_decode_group(u8 const* src, int n, int lanes, float* y) noexcept {
+    constexpr int chunk_bytes = W * B / 8;
+    vf const s = V::set1(detail::f16_bits_to_f32(detail::kivi_load_u16(src)));
+    vf const m = V::set1(detail::f16_bits_to_f32(detail::kivi_load_u16(src + 2)));
+    u8 const* const codes = src + detail::kivi_group_header_bytes;
+    int const code_bytes = (lanes * B + 7) / 8;
+    for (int ch = 0; ch * W < n; ++ch) {
+      int const left = code_bytes - ch * chunk_bytes;
+      vi q;
+      if (left >= chunk_bytes) {
+        q = V::template load_codes<B>(codes + ch * chunk_bytes);
+      } else {
+        alignas(64) u8 t[chunk_bytes] = {};
+        std::memcpy(t, codes + ch * chunk_bytes, static_cast<std::size_t>(left));
+        q = V::template load_codes<B>(t);
+      }
+      vf const r = kivi_values(q, s, m);
+      int const real = n - ch * W;
+      if (real >= W)
+        V::store(y + ch * W, r);
+      else
+        store_part(y + ch * W, r, real);
+    }
+  }
+
+  template <int B, int G>
+  static void kivi_value_encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst,
+                                     std::size_t ds) noexcept {
+    auto const g = kivi_value<B, G>::geometry(hd);
+    float const* gx[W];
+    int gn[W];
+    u8* gd[W];
+    int m = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (int b = 0; b < g.blocks; ++b) {
+        int const c = b * g.block_channels;
+        gx[m] = x + r * xs + c;
+        gn[m] = hd - c < g.block_channels ? hd - c : g.block_channels;
+        gd[m] = dst + static_cast<std::size_t>(r) * ds + static_cast<std::size_t>(b) * g.block_bytes;
+        if (++m == W) {
+          kivi_value_batch<B>(gx, gn, gd, m, g.block_channels);
+          m = 0;
+        }
+      }
+    }
+    if (m) kivi_value_batch<B>(gx, gn, gd, m, g.block_channels);
+  }
+
+  template <int B, int G>
+  static void kivi_value_decode_row(u8 const* src, int head_dim, float* y) noexcept {
+    auto const g = kivi_value<B, G>::geometry(head_dim);
+    for (int c = 0; c < head_dim; c += g.block_channels, src += g.block_bytes) {
+      int const n = head_dim - c < g.block_channels ? head_dim - c : g.block_channels;
+      kivi_value_decode_group<B>(src, n, g.block_channels, y + c);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // KIVI keys: per channel, G tokens; lanes are W consecutive channels
+
+  // Tiles are walked row-major (token by token) over super-blocks of up to `kb` chunks of W
+  // channels, so reads and writes stream through memory; channels past the last full chunk run
+  // the reference.
+  static constexpr int kb = 8;
+
+  template <int B, int G>
+  static void kivi_key_encode_tile(float const* x, std::ptrdiff_t ts, int head_dim, u8* dst) noexcept {
+    using K = kivi_key<B, G>;
+    constexpr int per_word = 32 / B;  // tokens per 32-bit word of codes
+    vf const top = V::set1(static_cast<float>(detail::kivi_max_code(B)));
+    vf const zf = V::set1(0.0f);
+    vi const zero = V::set1_i(0);
+    vi const poison = V::set1_i(detail::kivi_poisoned_param);
+    int const full = head_dim / W * W;
+    for (int cb = 0; cb < full; cb += kb * W) {
+      int const nv = (full - cb) / W < kb ? (full - cb) / W : kb;
+      vf mn[kb], mx[kb];
+      vm bad[kb];
+      for (int k = 0; k < nv; ++k) {
+        mn[k] = V::set1(detail::f32_from_bits(0x7f800000u));
+        mx[k] = V::set1(detail::f32_from_bits(0xff800000u));
+        bad[k] = V::mask_false();
+      }
+      for (int t = 0; t < G; ++t) {
+        float const* const row = x + t * ts + cb;
+        for (int k = 0; k < nv; ++k) {
+          vf const v = V::load(row + k * W);
+          mn[k] = V::min(mn[k], v);
+          mx[k] = V::max(mx[k], v);
+          bad[k] = V::mask_or(bad[k], nonfinite(v));
+        }
+      }
+      // kivi_make_header per channel; s and m are the stored parameters read back exactly.
+      vf s[kb], m[kb];
+      vm coded[kb];
+      for (int k = 0; k < nv; ++k) {
+        int const c0 = cb + k * W;
+        vf const lo = V::select_f(V::eq_f(mn[k], zf), zf, mn[k]);  // ±0 counts as +0
+        vf const hi = V::select_f(V::eq_f(mx[k], zf), zf, mx[k]);
+        vf const scale = V::div(V::sub(hi, lo), top);
+        alignas(64) u16 hs[W];
+        alignas(64) u16 hm[W];
+        V::store_u16(hs, V::select_i(bad[k], poison, f16_saturate(V::f32_to_f16_hw(scale))));
+        V::store_u16(hm, V::select_i(bad[k], poison, f16_saturate(V::f32_to_f16_hw(lo))));
+        std::memcpy(dst + K::scale_offset(head_dim, c0), hs, sizeof hs);  // little-endian fp16 fields
+        std::memcpy(dst + K::min_offset(head_dim, c0), hm, sizeof hm);
+        s[k] = f16_load(hs);
+        m[k] = f16_load(hm);
+        coded[k] = V::gt_f(s[k], zf);  // false for s == 0 and for a poisoned (NaN) scale
+      }
+      for (int w = 0; w * per_word < G; ++w) {
+        vi acc[kb];
+        for (int k = 0; k < nv; ++k) acc[k] = zero;
+        for (int j = 0; j < per_word && w * per_word + j < G; ++j) {
+          float const* const row = x + (w * per_word + j) * ts + cb;
+          for (int k = 0; k < nv; ++k) {
+            vi const q = V::select_i(coded[k], kivi_codes(V::load(row + k * W), s[k], m[k], top), zero);
+            acc[k] = V::or_i(acc[k], V::sll_n(q, j * B));
+          }
+        }
+        int const nbytes = K::code_bytes - 4 * w < 4 ? K::code_bytes - 4 * w : 4;
+        for (int k = 0; k < nv; ++k) {
+          alignas(64) std::int32_t words[W];
+          V::store_i(words, acc[k]);
+          u8* const codes = dst + K::codes_offset(head_dim, cb + k * W) + 4 * w;
+          for (int l = 0; l < W; ++l)
+            std::memcpy(codes + l * K::code_bytes, &words[l], static_cast<std::size_t>(nbytes));
+        }
+      }
+    }
+    for (int c = full; c < head_dim; ++c)  // remaining channels: the reference, one channel at a time
+      detail::kivi_encode_group(x + c, ts, G, G, B, dst + K::scale_offset(head_dim, c),
+                                dst + K::min_offset(head_dim, c), dst + K::codes_offset(head_dim, c));
+  }
+
+  template <int B, int G>
+  static void kivi_key_decode_tokens(u8 const* tile, int head_dim, int first, int count, float* y,
+                                     std::ptrdiff_t ys) noexcept {
+    using K = kivi_key<B, G>;
+    constexpr bool gather_ok = K::code_bytes % 4 == 0;  // every 32-bit word lies inside its channel
+    vi const mask = V::set1_i(detail::kivi_max_code(B));
+    int const full = head_dim / W * W;
+    for (int cb = 0; cb < full; cb += kb * W) {
+      int const nv = (full - cb) / W < kb ? (full - cb) / W : kb;
+      vf s[kb], m[kb];
+      vi word[kb];
+      for (int k = 0; k < nv; ++k) {
+        s[k] = f16_load(reinterpret_cast<u16 const*>(tile + K::scale_offset(head_dim, cb + k * W)));
+        m[k] = f16_load(reinterpret_cast<u16 const*>(tile + K::min_offset(head_dim, cb + k * W)));
+      }
+      int cur = -1;
+      for (int i = 0; i < count; ++i) {
+        int const t = first + i;
+        int const w = (t * B) >> 5;
+        if (w != cur) {
+          cur = w;
+          for (int k = 0; k < nv; ++k) {
+            u8 const* const codes = tile + K::codes_offset(head_dim, cb + k * W) + 4 * w;
+            if constexpr (gather_ok) {
+              word[k] = V::gather_u32(codes, K::code_bytes);
+            } else {
+              alignas(64) std::int32_t tw[W] = {};
+              int const nb = K::code_bytes - 4 * w < 4 ? K::code_bytes - 4 * w : 4;
+              for (int l = 0; l < W; ++l) std::memcpy(&tw[l], codes + l * K::code_bytes, static_cast<std::size_t>(nb));
+              word[k] = V::load_i(tw);
+            }
+          }
+        }
+        int const shift = (t * B) & 31;
+        float* const row = y + i * ys + cb;
+        for (int k = 0; k < nv; ++k)
+          V::store(row + k * W, kivi_values(V::and_i(V::srl_n(word[k], shift), mask), s[k], m[k]));
+      }
+    }
+    for (int c = full; c < head_dim; ++c) {  // remaining channels: the reference
+      kivi_scale_min const p = K::group_params(tile, head_dim, c);
+      for (int i = 0; i < count; ++i)
+        y[i * ys + c] = detail::kivi_value(K::code(tile, head_dim, c, first + i), p.scale, p.min);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Dispatch by codec
+
+  /// True when C has a SIMD row kernel here.
+  template <class C>
+  static constexpr bool has_rows =
+      std::is_same_v<C, f32_codec> || std::is_same_v<C, f16_codec> || std::is_same_v<C, q8_0> ||
+      std::is_same_v<C, q4_0> || std::is_same_v<C, int8_sym> || std::is_same_v<C, fp8_e4m3> ||
+      std::is_same_v<C, fp8_e5m2> || kivi_value_traits<C>::value;
+
+  template <row_codec C>
+  static void encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst, std::size_t ds,
+                          typename C::params_type const& p) noexcept {
+    auto const bytes = C::geometry(hd).bytes();
+    // Elementwise codecs over contiguous rows: one long run (no per-row tails).
+    bool const packed = xs == hd && ds == bytes;
+    if constexpr (std::is_same_v<C, f32_codec>) {
+      if (packed) {
+        if (rows > 0) std::memcpy(dst, x, static_cast<std::size_t>(rows) * bytes);
+      } else {
+        for (std::int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * ds, x + r * xs, bytes);
+      }
+    } else if constexpr (std::is_same_v<C, f16_codec>) {
+      if (packed)
+        to_f16(x, reinterpret_cast<u16*>(dst), rows * hd);
+      else
+        for (std::int64_t r = 0; r < rows; ++r) to_f16(x + r * xs, reinterpret_cast<u16*>(dst + r * ds), hd);
+    } else if constexpr (std::is_same_v<C, fp8_e4m3> || std::is_same_v<C, fp8_e5m2>) {
+      constexpr bool e4m3 = std::is_same_v<C, fp8_e4m3>;
+      if (packed)
+        fp8_encode<e4m3>(x, dst, rows * hd, p);
+      else
+        for (std::int64_t r = 0; r < rows; ++r) fp8_encode<e4m3>(x + r * xs, dst + r * ds, hd, p);
+    } else if constexpr (std::is_same_v<C, q8_0> || std::is_same_v<C, q4_0>) {
+      ggml_encode_rows<std::is_same_v<C, q4_0>>(x, xs, rows, hd, dst, ds);
+    } else if constexpr (std::is_same_v<C, int8_sym>) {
+      for (std::int64_t r = 0; r < rows; ++r) int8_encode_row(x + r * xs, hd, dst + r * ds);
+    } else if constexpr (kivi_value_traits<C>::value) {
+      kivi_value_encode_rows<C::bits, C::group>(x, xs, rows, hd, dst, ds);
+    } else {
+      scalar::encode_rows<C>(x, xs, rows, hd, dst, ds, p);
+    }
+  }
+
+  template <row_codec C>
+  static void decode_rows(u8 const* src, std::size_t ss, std::int64_t rows, int hd, float* y, std::ptrdiff_t ys,
+                          typename C::params_type const& p) noexcept {
+    auto const bytes = C::geometry(hd).bytes();
+    bool const packed = ys == hd && ss == bytes;
+    if constexpr (std::is_same_v<C, f32_codec>) {
+      if (packed) {
+        if (rows > 0) std::memcpy(y, src, static_cast<std::size_t>(rows) * bytes);
+      } else {
+        for (std::int64_t r = 0; r < rows; ++r) std::memcpy(y + r * ys, src + r * ss, bytes);
+      }
+    } else if constexpr (std::is_same_v<C, f16_codec>) {
+      if (packed)
+        from_f16(reinterpret_cast<u16 const*>(src), y, rows * hd);
+      else
+        for (std::int64_t r = 0; r < rows; ++r) from_f16(reinterpret_cast<u16 const*>(src + r * ss), y + r * ys, hd);
+    } else if constexpr (std::is_same_v<C, fp8_e4m3> || std::is_same_v<C, fp8_e5m2>) {
+      constexpr bool e4m3 = std::is_same_v<C, fp8_e4m3>;
+      if (packed)
+        fp8_decode<e4m3>(src, y, rows * hd, p);
+      else
+        for (std::int64_t r = 0; r < rows; ++r) fp8_decode<e4m3>(src + r * ss, y + r * ys, hd, p);
+    } else if constexpr (std::is_same_v<C, q8_0> || std::is_same_v<C, q4_0>) {
+      for (std::int64_t r = 0; r < rows; ++r) ggml_decode_row<std::is_same_v<C, q4_0>>(src + r * ss, hd, y + r * ys);
+    } else if constexpr (std::is_same_v<C, int8_sym>) {
+      for (std::int64_t r = 0; r < rows; ++r) int8_decode_row(src + r * ss, hd, y + r * ys);
+    } else if constexpr (kivi_value_traits<C>::value) {
+      for (std::int64_t r = 0; r < rows; ++r) kivi_value_decode_row<C::bits, C::group>(src + r * ss, hd, y + r * ys);
+    } else {
+      scalar::decode_rows<C>(src, ss, rows, hd, y, ys, p);
+    }
+  }
+
+  template <token_group_codec C>
+  static void encode_tile(float const* x, std::ptrdiff_t ts, int hd, u8* dst,
+                          typename C::params_type const& p) noexcept {
+    if constexpr (kivi_key_traits<C>::value)
+      kivi_key_encode_tile<C::bits, C::group>(x, ts, hd, dst);
+    else
+      scalar::encode_tile<C>(x, ts, hd, dst, p);
+  }
+
+  template <token_group_codec C>
+  static void decode_tile_tokens(u8 const* tile, int hd, int first, int count, float* y, std::ptrdiff_t ys,
+                                 typename C::params_type const& p) noexcept {
+    if constexpr (kivi_key_traits<C>::value)
+      kivi_key_decode_tokens<C::bits, C::group>(tile, hd, first, count, y, ys);
+    else
+      scalar::decode_tile_tokens<C>(tile, hd, first, count, y, ys, p);
+  }
+
+  template <cpu_element T>
+  static void convert_to_f32(T const* src, float* dst, std::int64_t n) noexcept {
+    if constexpr (std::is_same_v<T, float>)
+      scalar::convert_to_f32(src, dst, n);
+    else if constexpr (std::is_same_v<T, f16>)
+      from_f16(reinterpret_cast<u16 const*>(src), dst, n);
+    else
+      from_bf16(reinterpret_cast<u16 const*>(src), dst, n);
+  }
+
+  template <cpu_element T>
+  static void convert_from_f32(float const* src, T* dst, std::int64_t n) noexcept {
+    if constexpr (std::is_same_v<T, float>)
+      scalar::convert_from_f32(src, dst, n);
+    else if constexpr (std::is_same_v<T, f16>)
+      to_f16(src, reinterpret_cast<u16*>(dst), n);
+    else
+      to_bf16(src, reinterpret_cast<u16*>(dst), n);
+  }
+};
+
+}  // namespace simd
+}  // namespace cpu_kernels
+KVQ_NAMESPACE_END
+
+/// Defines, in the current namespace, the public kernel entry points of an ISA over its `ops`
+/// policy (the same names and signatures as kvq::cpu_kernels and kvq::cpu_kernels::scalar).
+#define KVQ_CPU_DEFINE_ENTRY_POINTS(OPS)                                                                              \
+  template <::kvq::row_codec C>                                                                                       \
+  void encode_rows(float const* x, std::ptrdiff_t x_stride, std::int64_t rows, int head_dim, std::uint8_t* dst,       \
+                   std::size_t dst_stride, typename C::params_type const& p = {}) noexcept {                          \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template encode_rows<C>(x, x_stride, rows, head_dim, dst, dst_stride, \
+                                                                        p);                                           \
+  }                                                                                                                   \
+  template <::kvq::row_codec C>                                                                                       \
+  void decode_rows(std::uint8_t const* src, std::size_t src_stride, std::int64_t rows, int head_dim, float* y,        \
+                   std::ptrdiff_t y_stride, typename C::params_type const& p = {}) noexcept {                         \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template decode_rows<C>(src, src_stride, rows, head_dim, y, y_stride, \
+                                                                        p);                                           \
+  }                                                                                                                   \
+  template <::kvq::token_group_codec C>                                                                               \
+  void encode_tile(float const* x, std::ptrdiff_t token_stride, int head_dim, std::uint8_t* dst,                      \
+                   typename C::params_type const& p = {}) noexcept {                                                  \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template encode_tile<C>(x, token_stride, head_dim, dst, p);           \
+  }                                                                                                                   \
+  template <::kvq::token_group_codec C>                                                                               \
+  void decode_tile_tokens(std::uint8_t const* tile, int head_dim, int first_token, int count, float* y,               \
+                          std::ptrdiff_t y_stride, typename C::params_type const& p = {}) noexcept {                  \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template decode_tile_tokens<C>(tile, head_dim, first_token, count, y, \
+                                                                               y_stride, p);                          \
+  }                                                                                                                   \
+  template <::kvq::cpu_kernels::cpu_element T>                                                                        \
+  void convert_to_f32(T const* src, float* dst, std::int64_t n) noexcept {                                            \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::convert_to_f32(src, dst, n);                                          \
+  }                                                                                                                   \
+  template <::kvq::cpu_kernels::cpu_element T>                                                                        \
+  void convert_from_f32(float const* src, T* dst, std::int64_t n) noexcept {                                          \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::convert_from_f32(src, dst, n);                                        \
+  }

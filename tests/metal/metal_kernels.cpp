@@ -1,0 +1,86 @@
+// kvq tests: kvq's Metal kernels (include/kvq/backend/metal/kernels.metal) compiled as C++ through
+// metal_shim.hpp, and the CPU dispatcher that binds them by name.
+//
+// This translation unit sees kvq's shared headers in their Metal form (__METAL_VERSION__ is
+// defined by the shim); the tests, in other translation units, use the host form. The two only
+// share the plain argument structs of kvq_metal_args.h and untyped buffer pointers.
+
+#define KVQ_METAL_SHIM_LANGUAGE 1
+#include "metal_shim.hpp"
+
+#include <kvq/backend/metal/kernels.metal>
+
+#undef kernel
+#undef device
+#undef threadgroup
+#undef thread
+#undef constant
+
+namespace kvq_metal_shim {
+namespace {
+
+auto xy(size3 p) -> uint2 { return uint2{p.x, p.y}; }
+
+template <class T>
+auto arg(buffer_table const& b, int i) -> T {
+  return static_cast<T>(b[static_cast<std::size_t>(i)]);
+}
+
+void set_constants(std::array<int, 2> c) {
+  auto& fc = detail::function_constants();
+  fc[0] = c[0];
+  fc[1] = c[1];
+}
+
+}  // namespace
+
+void dispatch_threads(std::string const& name, std::array<int, 2> constants, size3 grid, buffer_table const& b) {
+  set_constants(constants);
+  std::function<void(thread_ids const&)> body;
+  if (name == "kvq_encode_rows") {
+    body = [&](thread_ids const& t) {
+      kvq_encode_rows(*arg<kvq_metal_write_args const*>(b, 0), arg<uchar*>(b, 1), arg<uchar const*>(b, 2),
+                      xy(t.thread_position_in_grid));
+    };
+  } else if (name == "kvq_encode_key_tiles") {
+    body = [&](thread_ids const& t) {
+      kvq_encode_key_tiles(*arg<kvq_metal_write_args const*>(b, 0), arg<uchar*>(b, 1), arg<uchar const*>(b, 2),
+                           xy(t.thread_position_in_grid));
+    };
+  } else if (name == "kvq_store_f16_rows") {
+    body = [&](thread_ids const& t) {
+      kvq_store_f16_rows(*arg<kvq_metal_write_args const*>(b, 0), arg<uchar*>(b, 1), arg<uchar const*>(b, 2),
+                         xy(t.thread_position_in_grid));
+    };
+  } else if (name == "kvq_decode") {
+    body = [&](thread_ids const& t) {
+      kvq_decode(*arg<kvq_metal_decode_args const*>(b, 0), arg<uchar const*>(b, 1), arg<uchar*>(b, 2),
+                 xy(t.thread_position_in_grid));
+    };
+  } else if (name == "kvq_attention_combine") {
+    body = [&](thread_ids const& t) {
+      kvq_attention_combine(*arg<kvq_metal_combine_args const*>(b, 0), arg<float const*>(b, 1),
+                            arg<float const*>(b, 2), arg<float const*>(b, 3), arg<float*>(b, 4),
+                            xy(t.thread_position_in_grid));
+    };
+  } else {
+    throw std::invalid_argument("metal shim: no grid kernel named " + name);
+  }
+  detail::run_grid(grid, body);
+}
+
+void dispatch_threadgroups(std::string const& name, std::array<int, 2> constants, size3 groups, size3 threads,
+                           std::size_t threadgroup_bytes, std::uint32_t simd_width, buffer_table const& b) {
+  set_constants(constants);
+  if (name != "kvq_attention_partial") throw std::invalid_argument("metal shim: no threadgroup kernel named " + name);
+  detail::run_threadgroups(groups, threads, threadgroup_bytes, simd_width, [&](thread_ids const& t) {
+    kvq_attention_partial(*arg<kvq_metal_attention_args const*>(b, 0), arg<uchar const*>(b, 1),
+                          arg<uchar const*>(b, 2), arg<float const*>(b, 3), arg<float*>(b, 4), arg<float*>(b, 5),
+                          arg<float*>(b, 6), static_cast<float*>(t.threadgroup_memory),
+                          xy(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
+                          t.threads_per_threadgroup.x, t.thread_index_in_simdgroup,
+                          t.simdgroup_index_in_threadgroup, t.simdgroups_per_threadgroup, t.threads_per_simdgroup);
+  });
+}
+
+}  // namespace kvq_metal_shim

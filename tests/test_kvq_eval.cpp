@@ -1,0 +1,204 @@
+// Tests of the kvq-eval tool: its JSON output against the JSON Schema in the repository, SVG output,
+// and its handling of bad arguments.
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "catch_compat.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+using json = nlohmann::json;
+
+/// Validates `v` against the subset of JSON Schema the kvq-eval schema uses; appends errors.
+void validate(json const& schema, json const& v, std::string const& path, std::vector<std::string>& errors) {
+  auto type_ok = [&](std::string const& t) {
+    if (t == "object") return v.is_object();
+    if (t == "array") return v.is_array();
+    if (t == "string") return v.is_string();
+    if (t == "integer") return v.is_number_integer();
+    if (t == "number") return v.is_number();
+    if (t == "null") return v.is_null();
+    if (t == "boolean") return v.is_boolean();
+    return false;
+  };
+  if (schema.contains("type")) {
+    bool ok = false;
+    if (schema["type"].is_array()) {
+      for (auto const& t : schema["type"]) ok = ok || type_ok(t.get<std::string>());
+    } else {
+      ok = type_ok(schema["type"].get<std::string>());
+    }
+    if (!ok) {
+      errors.push_back(path + ": wrong type");
+      return;
+    }
+  }
+  if (schema.contains("enum")) {
+    bool found = false;
+    for (auto const& e : schema["enum"]) found = found || e == v;
+    if (!found) errors.push_back(path + ": not one of the allowed values");
+  }
+  if (v.is_number()) {
+    double const x = v.get<double>();
+    if (schema.contains("minimum") && x < schema["minimum"].get<double>()) errors.push_back(path + ": below minimum");
+    if (schema.contains("maximum") && x > schema["maximum"].get<double>()) errors.push_back(path + ": above maximum");
+    if (schema.contains("exclusiveMinimum") && x <= schema["exclusiveMinimum"].get<double>())
+      errors.push_back(path + ": not above exclusiveMinimum");
+  }
+  if (v.is_string() && schema.contains("minLength") &&
+      v.get<std::string>().size() < schema["minLength"].get<std::size_t>())
+    errors.push_back(path + ": too short");
+  if (v.is_object()) {
+    if (schema.contains("required"))
+      for (auto const& r : schema["required"])
+        if (!v.contains(r.get<std::string>())) errors.push_back(path + ": missing " + r.get<std::string>());
+    json const props = schema.value("properties", json::object());
+    for (auto const& [k, x] : v.items()) {
+      if (props.contains(k)) {
+        validate(props[k], x, path + "." + k, errors);
+      } else if (schema.contains("additionalProperties") && schema["additionalProperties"] == false) {
+        errors.push_back(path + ": unexpected property " + k);
+      }
+    }
+  }
+  if (v.is_array()) {
+    if (schema.contains("minItems") && v.size() < schema["minItems"].get<std::size_t>())
+      errors.push_back(path + ": too few items");
+    if (schema.contains("items"))
+      for (std::size_t i = 0; i < v.size(); ++i) validate(schema["items"], v[i], path + "[" + std::to_string(i) + "]", errors);
+  }
+}
+
+auto errors_of(json const& schema, json const& doc) -> std::vector<std::string> {
+  std::vector<std::string> e;
+  validate(schema, doc, "$", e);
+  return e;
+}
+
+auto load(std::filesystem::path const& p) -> json {
+  std::ifstream in(p);
+  REQUIRE(in.good());
+  return json::parse(in);
+}
+
+auto read_text(std::filesystem::path const& p) -> std::string {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+/// Runs kvq-eval with `args`, stdout and stderr to files in `dir`; returns the exit status.
+int run_eval(std::string const& args, std::filesystem::path const& dir) {
+  std::string const cmd = std::string("\"") + KVQ_EVAL_PATH + "\" " + args + " >\"" + (dir / "out.txt").string() +
+                          "\" 2>\"" + (dir / "err.txt").string() + "\"";
+  int const rc = std::system(cmd.c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+auto temp_dir(char const* name) -> std::filesystem::path {
+  auto const d = std::filesystem::temp_directory_path() / (std::string("kvq-eval-test-") + name);
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+}  // namespace
+
+TEST_CASE("kvq-eval writes JSON that follows the repository's JSON Schema", "[kvq-eval]") {
+  auto const dir = temp_dir("json");
+  int const rc = run_eval("--context 256 --layers 1 --configs f16,q8_0,q4_0,kivi4/R32,int8-K/kivi4-V,f32 --json \"" +
+                              (dir / "r.json").string() + "\" --svg \"" + (dir / "r.svg").string() + "\"",
+                          dir);
+  INFO(read_text(dir / "err.txt"));
+  REQUIRE(rc == 0);
+  json const schema = load(KVQ_EVAL_SCHEMA);
+  json const doc = load(dir / "r.json");
+  auto const errs = errors_of(schema, doc);
+  for (auto const& e : errs) INFO(e);
+  CHECK(errs.empty());
+  CHECK(doc["workload"] == "synthetic");
+  CHECK(doc["context"] == 256);
+  REQUIRE(doc["results"].size() == 6);
+  for (auto const& r : doc["results"]) {
+    bool const kivi = r["k_codec"].get<std::string>().starts_with("kivi") || r["v_codec"].get<std::string>().starts_with("kivi");
+    CHECK(r["group"].is_null() == !kivi);
+    CHECK(r["residual"].is_null() == !kivi);
+  }
+  // Exact numbers that do not depend on timing: bits per element at the full context.
+  auto const& res = doc["results"];
+  CHECK(res[0]["label"] == "f16");
+  CHECK(res[0]["bits_per_element"].get<double>() == 16.0);
+  CHECK(res[1]["bits_per_element"].get<double>() == 8.5);
+  CHECK(res[2]["bits_per_element"].get<double>() == 4.5);
+  CHECK(res[5]["k_snr_db"].is_null());  // f32 is lossless
+  CHECK(res[5]["attn_rel_error"].get<double>() < 1e-5);
+  CHECK(res[1]["attn_cosine"].get<double>() > 0.99);
+  // The table lists every configuration; the SVG draws a labelled point per configuration.
+  std::string const table = read_text(dir / "out.txt");
+  std::string const svg = read_text(dir / "r.svg");
+  CHECK(svg.starts_with("<svg"));
+  for (auto const& r : res) {
+    CHECK(table.find(r["label"].get<std::string>()) != std::string::npos);
+    CHECK(svg.find(">" + r["label"].get<std::string>() + "<") != std::string::npos);
+  }
+}
+
+TEST_CASE("the schema validator rejects documents that break the schema", "[kvq-eval]") {
+  json const schema = load(KVQ_EVAL_SCHEMA);
+  json good = {{"schema_version", 1},
+               {"workload", "synthetic"},
+               {"context", 16},
+               {"results",
+                {{{"label", "q8_0"},
+                  {"k_codec", "q8_0"},
+                  {"v_codec", "q8_0"},
+                  {"group", nullptr},
+                  {"residual", nullptr},
+                  {"bits_per_element", 8.5},
+                  {"k_snr_db", 40.0},
+                  {"v_snr_db", 41.0},
+                  {"attn_rel_error", 0.01},
+                  {"attn_cosine", 0.999},
+                  {"encode_gbps", 1.0},
+                  {"decode_gbps", 2.0},
+                  {"attn_speedup_vs_f16", 1.5}}}}};
+  CHECK(errors_of(schema, good).empty());
+  json bad = good;
+  bad["results"][0].erase("k_snr_db");
+  CHECK(!errors_of(schema, bad).empty());
+  bad = good;
+  bad["results"][0]["k_codec"] = "q3_k";
+  CHECK(!errors_of(schema, bad).empty());
+  bad = good;
+  bad["workload"] = "other";
+  CHECK(!errors_of(schema, bad).empty());
+  bad = good;
+  bad["results"][0]["extra"] = 1;
+  CHECK(!errors_of(schema, bad).empty());
+  bad = good;
+  bad["results"][0]["top1_agreement"] = 1.5;
+  CHECK(!errors_of(schema, bad).empty());
+}
+
+TEST_CASE("kvq-eval reports bad arguments and unreadable files in one line with a non-zero exit", "[kvq-eval]") {
+  auto const dir = temp_dir("args");
+  for (std::string const args :
+       {"--bogus", "--context", "--context -5", "--configs nope", "--model missing.bin",
+        "--model missing.bin --tokenizer missing.tok --text missing.txt", "--json /nonexistent-dir/x.json --context 64 --layers 1 --configs f16"}) {
+    INFO(args);
+    int const rc = run_eval(args, dir);
+    CHECK(rc == 2);
+    std::string const err = read_text(dir / "err.txt");
+    CHECK(err.starts_with("kvq-eval: "));
+    CHECK(std::count(err.begin(), err.end(), '\n') == 1);
+  }
+}

@@ -1,0 +1,79 @@
+// Helpers shared by kvq's tests: golden-vector loading, hex parsing, bit comparisons, seeded data.
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace kvq_test {
+
+/// Loads a JSON file from the golden test-vector directory, or throws naming the missing path.
+inline auto load_testvectors(std::string const& file) -> nlohmann::json {
+  std::string const path = std::string(KVQ_TESTVECTORS_DIR) + "/" + file;
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("golden test vectors not found: " + path + " (set KVQ_TESTVECTORS_DIR)");
+  return nlohmann::json::parse(in);
+}
+
+/// Parses "3f800000" (8 hex digits of the binary32 bits) into the float.
+inline auto f32_from_hex(std::string const& s) -> float {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(std::stoul(s, nullptr, 16)));
+}
+
+/// Parses a hex byte string ("0a1b...") into bytes.
+inline auto bytes_from_hex(std::string const& s) -> std::vector<std::uint8_t> {
+  std::vector<std::uint8_t> out(s.size() / 2);
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = static_cast<std::uint8_t>(std::stoul(s.substr(2 * i, 2), nullptr, 16));
+  return out;
+}
+
+/// Formats bytes as lowercase hex (for readable failure messages).
+inline auto hex(std::vector<std::uint8_t> const& b) -> std::string {
+  static char const* digits = "0123456789abcdef";
+  std::string s;
+  for (auto v : b) {
+    s += digits[v >> 4];
+    s += digits[v & 15];
+  }
+  return s;
+}
+
+/// Bit pattern of a float.
+inline auto bits(float x) -> std::uint32_t { return std::bit_cast<std::uint32_t>(x); }
+
+/// True when both are NaN, or both have identical bits.
+inline auto same_value(float a, float b) -> bool { return (std::isnan(a) && std::isnan(b)) || bits(a) == bits(b); }
+
+/// Seeded N(0, 1) data.
+inline auto normal_data(std::size_t n, std::uint32_t seed, float sigma = 1.0f) -> std::vector<float> {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+/// Seeded KV-like rows: N(0, 1) with a few channels 5-20x larger ("outlier channels"); (rows, dim).
+inline auto outlier_rows(int rows, int dim, std::uint32_t seed) -> std::vector<float> {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> gain(static_cast<std::size_t>(dim), 1.0f);
+  for (int c = 3; c < dim; c += 37) gain[static_cast<std::size_t>(c)] = 5.0f + static_cast<float>((c * 7) % 16);
+  std::vector<float> v(static_cast<std::size_t>(rows) * static_cast<std::size_t>(dim));
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < dim; ++c)
+      v[static_cast<std::size_t>(r) * static_cast<std::size_t>(dim) + static_cast<std::size_t>(c)] =
+          dist(rng) * gain[static_cast<std::size_t>(c)];
+  return v;
+}
+
+}  // namespace kvq_test

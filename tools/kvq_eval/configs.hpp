@@ -1,0 +1,60 @@
+// kvq-eval: the evaluated configurations (key codec, value codec, KIVI group and residual).
+#pragma once
+
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kvq_eval {
+
+/// One (key codec, value codec) configuration; group/residual are set when a KIVI codec is used.
+struct config {
+  std::string label;
+  std::string k_codec;
+  std::string v_codec;
+  std::optional<int> group;
+  std::optional<int> residual;
+};
+
+/// Every codec for K and V alike (KIVI with R = 0, 32, 128), mixed pairs, and the baselines.
+inline auto default_configs() -> std::vector<config> {
+  std::vector<config> c;
+  for (char const* name : {"f32", "f16", "q8_0", "int8", "fp8_e4m3", "fp8_e5m2", "q4_0"})
+    c.push_back({name, name, name, std::nullopt, std::nullopt});
+  for (char const* name : {"kivi8", "kivi4", "kivi2"})
+    for (int r : {0, 32, 128}) c.push_back({std::string(name) + "/R" + std::to_string(r), name, name, 32, r});
+  auto mixed = [&](std::string const& k, std::string const& v) {
+    bool const kivi = k.starts_with("kivi") || v.starts_with("kivi");
+    c.push_back({k + "-K/" + v + "-V", k, v, kivi ? std::optional<int>(32) : std::nullopt,
+                 kivi ? std::optional<int>(128) : std::nullopt});
+  };
+  mixed("q8_0", "q4_0");
+  mixed("f16", "q4_0");
+  mixed("int8", "kivi4");
+  mixed("q8_0", "kivi4");
+  mixed("kivi8", "kivi4");
+  mixed("kivi4", "kivi2");
+  return c;
+}
+
+/// The configurations named in a comma-separated list of labels, in list order.
+inline auto select_configs(std::vector<config> const& all, std::string const& labels) -> std::vector<config> {
+  std::vector<config> out;
+  std::stringstream ss(labels);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    bool found = false;
+    for (auto const& c : all)
+      if (c.label == item) {
+        out.push_back(c);
+        found = true;
+      }
+    if (!found) throw std::invalid_argument("unknown configuration '" + item + "' (see --list)");
+  }
+  if (out.empty()) throw std::invalid_argument("--configs selects no configuration");
+  return out;
+}
+
+}  // namespace kvq_eval

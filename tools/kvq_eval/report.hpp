@@ -1,0 +1,211 @@
+// kvq-eval: result rows and their output as an aligned table, JSON (schema_version 1) and SVG.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace kvq_eval {
+
+/// One evaluated configuration.
+struct result {
+  std::string label;
+  std::string k_codec;
+  std::string v_codec;
+  std::optional<int> group;     // KIVI group size G, else null
+  std::optional<int> residual;  // KIVI residual R, else null
+  double bits_per_element = 0;
+  double memory_vs_f16 = 0;
+  double k_snr_db = 0;
+  double v_snr_db = 0;
+  double attn_rel_error = 0;
+  double attn_cosine = 0;
+  double encode_gbps = 0;
+  double decode_gbps = 0;
+  double attn_speedup_vs_f16 = 0;
+  // Model workload only.
+  std::optional<double> ppl, ppl_ref, kld, top1_agreement;
+};
+
+/// Formats a double with `digits` decimals; infinity as "inf".
+inline auto fixed(double v, int digits) -> std::string {
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  if (std::isnan(v)) return "nan";
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(digits) << v;
+  return s.str();
+}
+
+/// Formats a double in scientific notation with 2 decimals.
+inline auto sci(double v) -> std::string {
+  std::ostringstream s;
+  s << std::scientific << std::setprecision(2) << v;
+  return s.str();
+}
+
+/// Prints the results as an aligned table.
+inline void print_table(std::vector<result> const& rows, bool model, std::FILE* out) {
+  std::vector<std::string> head = {"config", "K", "V", "bits/el", "mem/f16", "K SNR dB", "V SNR dB", "attn rel err",
+                                   "attn cos", "enc GB/s", "dec GB/s", "attn x f16"};
+  if (model) {
+    for (char const* h : {"PPL", "dPPL %", "KL nats", "top-1"}) head.emplace_back(h);
+  }
+  std::vector<std::vector<std::string>> cells;
+  for (auto const& r : rows) {
+    std::vector<std::string> c = {r.label,
+                                  r.k_codec,
+                                  r.v_codec,
+                                  fixed(r.bits_per_element, 2),
+                                  fixed(r.memory_vs_f16, 3),
+                                  fixed(r.k_snr_db, 1),
+                                  fixed(r.v_snr_db, 1),
+                                  sci(r.attn_rel_error),
+                                  fixed(r.attn_cosine, 6),
+                                  fixed(r.encode_gbps, 2),
+                                  fixed(r.decode_gbps, 2),
+                                  fixed(r.attn_speedup_vs_f16, 2)};
+    if (model) {
+      c.push_back(fixed(r.ppl.value_or(0), 4));
+      c.push_back(fixed(100.0 * (r.ppl.value_or(0) / r.ppl_ref.value_or(1) - 1.0), 2));
+      c.push_back(sci(r.kld.value_or(0)));
+      c.push_back(fixed(r.top1_agreement.value_or(0), 4));
+    }
+    cells.push_back(std::move(c));
+  }
+  std::vector<std::size_t> w(head.size());
+  for (std::size_t i = 0; i < head.size(); ++i) {
+    w[i] = head[i].size();
+    for (auto const& c : cells) w[i] = std::max(w[i], c[i].size());
+  }
+  auto line = [&](std::vector<std::string> const& c) {
+    for (std::size_t i = 0; i < c.size(); ++i) {
+      if (i < 3)
+        std::fprintf(out, "%-*s", static_cast<int>(w[i]), c[i].c_str());
+      else
+        std::fprintf(out, "%*s", static_cast<int>(w[i]), c[i].c_str());
+      std::fputs(i + 1 < c.size() ? "  " : "\n", out);
+    }
+  };
+  line(head);
+  std::size_t total = 0;
+  for (auto x : w) total += x + 2;
+  std::fprintf(out, "%s\n", std::string(total - 2, '-').c_str());
+  for (auto const& c : cells) line(c);
+}
+
+/// The JSON document of schema_version 1 (see tools/kvq_eval/kvq-eval.schema.json).
+inline auto to_json(std::vector<result> const& rows, bool model, std::int64_t context) -> nlohmann::ordered_json {
+  nlohmann::ordered_json doc;
+  doc["schema_version"] = 1;
+  doc["workload"] = model ? "model" : "synthetic";
+  doc["context"] = context;
+  doc["results"] = nlohmann::ordered_json::array();
+  for (auto const& r : rows) {
+    nlohmann::ordered_json j;
+    j["label"] = r.label;
+    j["k_codec"] = r.k_codec;
+    j["v_codec"] = r.v_codec;
+    j["group"] = r.group ? nlohmann::ordered_json(*r.group) : nlohmann::ordered_json(nullptr);
+    j["residual"] = r.residual ? nlohmann::ordered_json(*r.residual) : nlohmann::ordered_json(nullptr);
+    j["bits_per_element"] = r.bits_per_element;
+    j["k_snr_db"] = std::isinf(r.k_snr_db) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(r.k_snr_db);
+    j["v_snr_db"] = std::isinf(r.v_snr_db) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(r.v_snr_db);
+    j["attn_rel_error"] = r.attn_rel_error;
+    j["attn_cosine"] = r.attn_cosine;
+    j["encode_gbps"] = r.encode_gbps;
+    j["decode_gbps"] = r.decode_gbps;
+    j["attn_speedup_vs_f16"] = r.attn_speedup_vs_f16;
+    if (model) {
+      j["ppl"] = r.ppl.value_or(0);
+      j["ppl_ref"] = r.ppl_ref.value_or(0);
+      j["kld"] = r.kld.value_or(0);
+      j["top1_agreement"] = r.top1_agreement.value_or(0);
+    }
+    doc["results"].push_back(std::move(j));
+  }
+  return doc;
+}
+
+/// Escapes text for SVG.
+inline auto xml_escape(std::string const& s) -> std::string {
+  std::string o;
+  for (char c : s) {
+    if (c == '<') o += "&lt;";
+    else if (c == '>') o += "&gt;";
+    else if (c == '&') o += "&amp;";
+    else o += c;
+  }
+  return o;
+}
+
+/// Draws error (synthetic: attention relative error, log scale; model: perplexity) against bits
+/// per element, one labelled point per configuration.
+inline auto to_svg(std::vector<result> const& rows, bool model) -> std::string {
+  double const width = 900, height = 560, left = 80, right = 30, top = 50, bottom = 60;
+  double xmin = 1e9, xmax = -1e9, ymin = 1e300, ymax = -1e300;
+  auto yval = [&](result const& r) {
+    return model ? r.ppl.value_or(0) : std::log10(std::max(r.attn_rel_error, 1e-9));
+  };
+  for (auto const& r : rows) {
+    xmin = std::min(xmin, r.bits_per_element);
+    xmax = std::max(xmax, r.bits_per_element);
+    ymin = std::min(ymin, yval(r));
+    ymax = std::max(ymax, yval(r));
+  }
+  if (rows.empty()) xmin = 0, xmax = 1, ymin = 0, ymax = 1;
+  xmin = std::floor(xmin) - 0.5, xmax = std::ceil(xmax) + 0.5;
+  double const ypad = std::max((ymax - ymin) * 0.08, 1e-3);
+  ymin -= ypad, ymax += ypad;
+  auto px = [&](double x) { return left + (x - xmin) / (xmax - xmin) * (width - left - right); };
+  auto py = [&](double y) { return height - bottom - (y - ymin) / (ymax - ymin) * (height - top - bottom); };
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(1);
+  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
+    << "\" font-family=\"sans-serif\" font-size=\"11\">\n";
+  s << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  s << "<text x=\"" << width / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">kvq-eval: "
+    << (model ? "perplexity" : "decode-attention relative error") << " vs bits per element</text>\n";
+  // Axes and grid.
+  s << "<line x1=\"" << left << "\" y1=\"" << height - bottom << "\" x2=\"" << width - right << "\" y2=\""
+    << height - bottom << "\" stroke=\"black\"/>\n";
+  s << "<line x1=\"" << left << "\" y1=\"" << top << "\" x2=\"" << left << "\" y2=\"" << height - bottom
+    << "\" stroke=\"black\"/>\n";
+  for (double x = std::ceil(xmin); x <= xmax; x += (xmax - xmin > 20 ? 4 : 2)) {
+    s << "<line x1=\"" << px(x) << "\" y1=\"" << top << "\" x2=\"" << px(x) << "\" y2=\"" << height - bottom
+      << "\" stroke=\"#ddd\"/>\n";
+    s << "<text x=\"" << px(x) << "\" y=\"" << height - bottom + 16 << "\" text-anchor=\"middle\">" << x
+      << "</text>\n";
+  }
+  int const yticks = 6;
+  for (int i = 0; i <= yticks; ++i) {
+    double const y = ymin + (ymax - ymin) * i / yticks;
+    s << "<line x1=\"" << left << "\" y1=\"" << py(y) << "\" x2=\"" << width - right << "\" y2=\"" << py(y)
+      << "\" stroke=\"#eee\"/>\n";
+    s << "<text x=\"" << left - 6 << "\" y=\"" << py(y) + 4 << "\" text-anchor=\"end\">"
+      << (model ? fixed(y, 3) : sci(std::pow(10.0, y))) << "</text>\n";
+  }
+  s << "<text x=\"" << (left + width - right) / 2 << "\" y=\"" << height - 18
+    << "\" text-anchor=\"middle\">bits per element (scales, residual and padding included)</text>\n";
+  s << "<text x=\"18\" y=\"" << (top + height - bottom) / 2 << "\" text-anchor=\"middle\" transform=\"rotate(-90 18 "
+    << (top + height - bottom) / 2 << ")\">"
+    << (model ? "perplexity" : "attention output relative error (log scale)") << "</text>\n";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    auto const& r = rows[i];
+    double const x = px(r.bits_per_element), y = py(yval(r));
+    s << "<circle cx=\"" << x << "\" cy=\"" << y << "\" r=\"4\" fill=\"#2a6fdb\"/>\n";
+    double const dy = (i % 2 == 0) ? -6 : 12;
+    s << "<text x=\"" << x + 6 << "\" y=\"" << y + dy << "\">" << xml_escape(r.label) << "</text>\n";
+  }
+  s << "</svg>\n";
+  return s.str();
+}
+
+}  // namespace kvq_eval
