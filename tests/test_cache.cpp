@@ -388,7 +388,8 @@ auto compare_rows(std::vector<T> const& got, std::int64_t stride, std::int64_t c
       }
     }
     for (std::int64_t c = dim; c < stride && i * stride + c < static_cast<std::int64_t>(got.size()); ++c)
-      if (elem_bits(got[sz(i * stride + c)]) != elem_bits(sentinel)) return "row " + std::to_string(i) + ": padding written";
+      if (elem_bits(got[sz(i * stride + c)]) != elem_bits(sentinel))
+        return "row " + std::to_string(i) + ": padding written";
   }
   return {};
 }
@@ -771,8 +772,9 @@ TEST_CASE("cache: KIVI keys and values with different group sizes", "[cache][kiv
   using Choice = kvq::kv_codecs<kvq::kivi_key<4, 16>, kvq::kivi_value<2, 24>>;
   for (int bad : {8, 24, 40}) {
     INFO("R = " << bad);
-    require_error<kvq::invalid_argument_error>([&] { cache_of<Choice> c({1, 1, 48, 256}, make_options<Choice>(bad)); },
-                                               "R = " + std::to_string(bad) + " must be a non-negative multiple of G = 48");
+    require_error<kvq::invalid_argument_error>(
+        [&] { cache_of<Choice> c({1, 1, 48, 256}, make_options<Choice>(bad)); },
+        "R = " + std::to_string(bad) + " must be a non-negative multiple of G = 48");
   }
   for (int r : {0, 48, 96}) {
     INFO("R = " << r);
@@ -1436,7 +1438,8 @@ void check_errors(int residual) {
                                             "keys strides (token 139, head 32) make rows");
   auto negative = k.view(0, 2);
   negative.token_stride = -negative.token_stride;
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.append(1, negative, v.view(0, 2)); }, "strides (token -139, head 67)");
+  require_error_unchanged<kvq::shape_error>(c, [&] { c.append(1, negative, v.view(0, 2)); },
+                                            "strides (token -139, head 67)");
   auto negative_tokens = k.view(0, 2);
   negative_tokens.tokens = -1;
   auto negative_tokens_v = v.view(0, 2);

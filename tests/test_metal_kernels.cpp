@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "catch_compat.hpp"
+#include "metal/metal_cache_mock.hpp"
 #include "metal/metal_shim.hpp"
 #include "test_support.hpp"
 
@@ -544,4 +545,14 @@ TEST_CASE("metal kernels threadgroup memory layout and launch planning", "[metal
   CHECK(p.empty);
   CHECK_FALSE(kd::plan_metal_attention(c.key_side(), c.value_side(), c.state(0), 256, 8, 64, 0, 0, 1.0f, opt, 1024,
                                        128, 0, p));
+}
+
+TEST_CASE("metal cache on a mock metal-cpp matches the CPU cache", "[metal]") {
+  // backend/metal/metal_cache.hpp compiled against tests/metal/mock_metal_cpp (see there).
+  for (int d : {8, 64, 80, 128}) {
+    INFO("head_dim " << d);
+    auto const failures = run_metal_cache_mock(d);
+    for (auto const& f : failures) UNSCOPED_INFO(f);
+    CHECK(failures.empty());
+  }
 }

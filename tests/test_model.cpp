@@ -7,6 +7,9 @@
 // registers one CTest test per tag below ([tokenizer], [greedy], [engine], [compare], [ppl_<codec>])
 // so the perplexity runs of different codecs run in parallel under ctest -j.
 #include "catch_compat.hpp"
+#if __has_include(<catch2/catch_message.hpp>)
+#  include <catch2/catch_message.hpp>  // Catch2 v3: INFO, WARN, FAIL with messages
+#endif
 
 #include <llama2c/llama2c.hpp>
 

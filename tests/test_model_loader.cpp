@@ -3,6 +3,9 @@
 // format_error / io_error with messages naming the file and the field, never crash. When the real
 // stories260K files are present, truncated copies of them are checked too.
 #include "catch_compat.hpp"
+#if __has_include(<catch2/catch_message.hpp>)
+#  include <catch2/catch_message.hpp>  // Catch2 v3: INFO, WARN, FAIL with messages
+#endif
 
 #include <llama2c/llama2c.hpp>
 

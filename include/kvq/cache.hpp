@@ -545,17 +545,14 @@ class QuantizedKVCache {
                                     "cache: KIVI residual R = " + std::to_string(o.residual) +
                                         " must be a non-negative multiple of G = " + std::to_string(g));
     }
+    auto const fp8_message = [](char const* which, auto const& p) {
+      return std::string("cache: the ") + which + " codec's fp8 scale = " + detail::format_float(p.scale) +
+             " must be finite and > 0 (overflow mode " + std::to_string(static_cast<int>(p.overflow)) + ")";
+    };
     if constexpr (requires { fp8_params_valid(o.key); })
-      check<invalid_argument_error>(fp8_params_valid(o.key), "cache: the key codec's fp8 scale = " +
-                                                                 detail::format_float(o.key.scale) +
-                                                                 " must be finite and > 0 (overflow mode " +
-                                                                 std::to_string(static_cast<int>(o.key.overflow)) + ")");
+      check<invalid_argument_error>(fp8_params_valid(o.key), fp8_message("key", o.key));
     if constexpr (requires { fp8_params_valid(o.value); })
-      check<invalid_argument_error>(fp8_params_valid(o.value), "cache: the value codec's fp8 scale = " +
-                                                                   detail::format_float(o.value.scale) +
-                                                                   " must be finite and > 0 (overflow mode " +
-                                                                   std::to_string(static_cast<int>(o.value.overflow)) +
-                                                                   ")");
+      check<invalid_argument_error>(fp8_params_valid(o.value), fp8_message("value", o.value));
     // The byte size of the cache must fit in size_t (estimated in floating point, before any size
     // is computed in size_t, where it would wrap around).
     double residual_rows = 0;

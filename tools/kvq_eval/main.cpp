@@ -77,18 +77,11 @@ auto exact_attention(synthetic_shape const& s, synthetic_layer const& L) -> std:
   return out;
 }
 
-/// Evaluates every configuration on the synthetic workload.
-auto run_synthetic(synthetic_shape const& s, std::vector<config> const& configs, bool progress)
-    -> std::vector<result> {
-  if (progress) std::fprintf(stderr, "kvq-eval: generating the synthetic workload (%d layers, %d kv heads, %d q heads, "
-                                     "head_dim %d, %lld tokens)\n",
-                             s.layers, s.kv_heads, s.q_heads, s.head_dim, static_cast<long long>(s.context));
-  std::vector<synthetic_layer> layers;
+/// Evaluates every configuration on a KV workload: `layers` holds each layer's keys, values and queries.
+auto evaluate(synthetic_shape const& s, std::vector<synthetic_layer> const& layers, std::vector<config> const& configs,
+              bool progress) -> std::vector<result> {
   std::vector<std::vector<double>> exact;
-  for (int l = 0; l < s.layers; ++l) {
-    layers.push_back(make_synthetic_layer(s, l));
-    exact.push_back(exact_attention(s, layers.back()));
-  }
+  for (auto const& L : layers) exact.push_back(exact_attention(s, L));
   kvq::cache_shape const shape{s.layers, s.kv_heads, s.head_dim, s.context};
   int const d = s.head_dim;
   double const f32_bytes = static_cast<double>(s.layers) * static_cast<double>(s.context) * s.kv_heads * d * 4.0 * 2.0;
@@ -186,6 +179,47 @@ auto run_synthetic(synthetic_shape const& s, std::vector<config> const& configs,
     by_index[idx] = r;
   }
   for (auto& r : by_index) rows.push_back(*r);
+  return rows;
+}
+
+/// Evaluates every configuration on the synthetic workload.
+auto run_synthetic(synthetic_shape const& s, std::vector<config> const& configs, bool progress)
+    -> std::vector<result> {
+  if (progress)
+    std::fprintf(stderr,
+                 "kvq-eval: generating the synthetic workload (%d layers, %d kv heads, %d q heads, head_dim %d, "
+                 "%lld tokens)\n",
+                 s.layers, s.kv_heads, s.q_heads, s.head_dim, static_cast<long long>(s.context));
+  std::vector<synthetic_layer> layers;
+  for (int l = 0; l < s.layers; ++l) layers.push_back(make_synthetic_layer(s, l));
+  return evaluate(s, layers, configs, progress);
+}
+
+/// Evaluates every configuration on a real model: the KV metrics on the model's own K/V (the f32
+/// cache after its longest story), then perplexity, KL and top-1 against the f32 cache.
+auto run_model(std::string const& model_path, std::string const& tokenizer_path, std::string const& text_path,
+               std::vector<config> const& configs, bool progress, std::int64_t& context) -> std::vector<result> {
+  model_inputs const in = load_model_inputs(model_path, tokenizer_path, text_path);
+  auto const& cfg = in.model.config();
+  if (progress) std::fprintf(stderr, "kvq-eval: reference run (f32 cache) over %s\n", text_path.c_str());
+  reference_run const ref = run_reference(in);
+  synthetic_shape s;
+  s.layers = cfg.n_layers;
+  s.kv_heads = cfg.n_kv_heads;
+  s.q_heads = cfg.n_heads;
+  s.head_dim = cfg.head_dim();
+  s.context = ref.kv_context;
+  s.queries_per_layer = ref.queries_per_layer;
+  context = s.context;
+  auto rows = evaluate(s, ref.kv_layers, configs, progress);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    if (progress) std::fprintf(stderr, "kvq-eval: [%zu/%zu] %s: perplexity\n", i + 1, rows.size(), rows[i].label.c_str());
+    auto const q = score_config(in, ref, configs[i]);
+    rows[i].ppl = q.ppl;
+    rows[i].ppl_ref = ref.ppl;
+    rows[i].kld = q.kld;
+    rows[i].top1_agreement = q.top1;
+  }
   return rows;
 }
 

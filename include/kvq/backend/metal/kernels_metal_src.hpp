@@ -1532,8 +1532,11 @@ kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(
         for (int g = 0; g < nh; ++g) o_s[g * hd + c] += w_s[g * T + i] * v;
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // No barrier needed here: the next tile writes k_s and p_s, whose readers finished before the
+    // logits barrier, and w_s and c_s only after its own logits barrier, which every thread
+    // reaches after its P·V.
   }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // o_s channels are written out by other threads
 
   for (int w = it; w < nh * hd; w += nt)
     part_out[(ulong(split) * ulong(a.q_heads) + ulong(h0 + w / hd)) * ulong(hd) + ulong(w % hd)] = o_s[w];

@@ -719,6 +719,7 @@ class QuantizedKVCache<Choice, metal> {
   /// Waits for the last committed command buffer (the queue runs them in order) and checks it.
   void wait() {
     if (!last_) return;
+    detail::metal_pool pool;  // error() and its description are autoreleased
     last_->waitUntilCompleted();
     bool const failed = last_->status() == MTL::CommandBufferStatusError;
     std::string const msg = failed ? detail::metal_error_text(last_->error(), "command buffer failed") : "";

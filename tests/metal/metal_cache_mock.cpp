@@ -1,0 +1,361 @@
+// kvq tests: the Metal cache (include/kvq/backend/metal/metal_cache.hpp) compiled and run on Linux
+// against a mock of metal-cpp (mock_metal_cpp/) whose "GPU" runs kernels.metal through the shim,
+// compared with the CPU cache: same reads bit for bit, same layer bytes, attention within fp32
+// rounding, the same errors for the same misuse, a GPU fault reported at synchronize() and making
+// the cache unusable, no leaked metal-cpp object and no misuse of the (mock) API.
+//
+// metal_cache.hpp is guarded by __APPLE__ && KVQ_WITH_METAL, so this translation unit defines both
+// after including every system header it needs (Catch2 and the C++ library react to __APPLE__;
+// kvq's headers do not). It has no Catch2: test_metal_kernels.cpp calls run_metal_cache_mock().
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <kvq/attention.hpp>
+#include <kvq/backend/metal/kvq_metal_args.h>
+#include <kvq/cache.hpp>
+#include <kvq/codec/fp8.hpp>
+#include <kvq/codec/int8.hpp>
+#include <kvq/codec/kivi.hpp>
+#include <kvq/codec/passthrough.hpp>
+#include <kvq/codec/q4_0.hpp>
+#include <kvq/codec/q8_0.hpp>
+
+#include "metal_shim.hpp"
+
+#define __APPLE__ 1
+#define KVQ_WITH_METAL 1
+#include <kvq/backend/metal/metal_cache.hpp>
+#undef __APPLE__
+
+#include "metal_cache_mock.hpp"
+
+namespace {
+
+namespace kd = kvq::detail;
+
+/// Collects failure messages.
+struct report {
+  std::vector<std::string> failures;
+  std::string where;
+  void fail(std::string const& what) { failures.push_back(where + ": " + what); }
+  void expect(bool ok, std::string const& what) {
+    if (!ok) fail(what);
+  }
+};
+
+/// Seeded KV-like rows (tokens * kv_heads, d) with a few outlier channels.
+auto data(std::int64_t rows, int d, std::uint32_t seed) -> std::vector<float> {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(static_cast<std::size_t>(rows) * static_cast<std::size_t>(d));
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = dist(rng) * ((i % static_cast<std::size_t>(d)) % 37 == 3 ? 9.0f : 1.0f);
+  return v;
+}
+
+auto bits(float x) -> std::uint32_t {
+  std::uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+/// Largest |a - b| / (1 + max |a| of the head); NaN positions must agree (else returns +Inf).
+auto rel_error(float const* want, float const* got, int heads, int d) -> double {
+  double worst = 0.0;
+  for (int h = 0; h < heads; ++h) {
+    double scale = 1.0;
+    for (int c = 0; c < d; ++c)
+      if (std::isfinite(want[h * d + c])) scale = std::max(scale, 1.0 + std::fabs(static_cast<double>(want[h * d + c])));
+    for (int c = 0; c < d; ++c) {
+      float const w = want[h * d + c], g = got[h * d + c];
+      if (std::isnan(w) != std::isnan(g)) return std::numeric_limits<double>::infinity();
+      if (std::isnan(w)) continue;
+      worst = std::max(worst, std::fabs(static_cast<double>(w) - g) / scale);
+    }
+  }
+  return worst;
+}
+
+template <class Choice>
+struct fixture {
+  using gpu_cache = kvq::QuantizedKVCache<Choice, kvq::metal>;
+  using cpu_cache = kvq::QuantizedKVCache<Choice>;
+  using K = typename cpu_cache::key_codec;
+  using V = typename cpu_cache::value_codec;
+  report& r;
+  MTL::Device* device;
+  gpu_cache& g;
+  cpu_cache& c;
+
+  /// Reads of every (layer, head), keys and values, as f32 to host and as f16 into an MTLBuffer.
+  void compare_reads(std::string const& step) {
+    auto const& s = c.shape();
+    for (int l = 0; l < s.layers; ++l) {
+      std::int64_t const n = c.size(l);
+      r.expect(g.size(l) == n, step + ": size differs");
+      if (n == 0) continue;
+      for (int h = 0; h < s.kv_heads; ++h)
+        for (bool keys : {true, false}) {
+          std::vector<float> want(static_cast<std::size_t>(n * s.head_dim)), got(want.size());
+          std::vector<kvq::f16> want16(want.size());
+          if (keys) {
+            c.read_keys(l, h, 0, n, want.data());
+            c.read_keys(l, h, 0, n, want16.data());
+            g.read_keys(l, h, 0, n, got.data());
+          } else {
+            c.read_values(l, h, 0, n, want.data());
+            c.read_values(l, h, 0, n, want16.data());
+            g.read_values(l, h, 0, n, got.data());
+          }
+          bool same = true;
+          for (std::size_t i = 0; i < want.size(); ++i) same = same && bits(want[i]) == bits(got[i]);
+          r.expect(same, step + ": f32 read differs (layer " + std::to_string(l) + ", head " + std::to_string(h) +
+                             (keys ? ", keys)" : ", values)"));
+          kd::metal_ref<MTL::Buffer> out(device->newBuffer(want.size() * 2 + 64, MTL::ResourceStorageModeShared));
+          g.read(keys, l, h, 0, n, out.get(), 64, kvq_metal_elem_f16, s.head_dim);
+          g.synchronize();
+          r.expect(std::memcmp(static_cast<std::uint8_t*>(out->contents()) + 64, want16.data(), want.size() * 2) == 0,
+                   step + ": f16 read into a buffer differs");
+        }
+    }
+  }
+
+  /// Encoded units of every layer and head (and the live KIVI key residual rows) equal the CPU's.
+  void compare_bytes(std::string const& step) {
+    auto const& s = c.shape();
+    auto const kl = kd::region_layout<K, false>::make(s, c.get_options().residual);
+    auto const vl = kd::region_layout<V, true>::make(s, c.get_options().residual);
+    for (int l = 0; l < s.layers; ++l) {
+      auto const* cpu = reinterpret_cast<std::uint8_t const*>(c.key_storage(l, 0).units);
+      auto const* gpu = static_cast<std::uint8_t const*>(g.layer_buffer(l)->contents());
+      for (int h = 0; h < s.kv_heads; ++h) {
+        std::size_t const ko = static_cast<std::size_t>(h) * kl.bytes();
+        bool same = std::memcmp(cpu + ko, gpu + ko, kl.units_bytes) == 0;
+        auto const kv = c.key_storage(l, h);
+        same = same && std::memcmp(cpu + ko + kl.units_bytes, gpu + ko + kl.units_bytes,
+                                   static_cast<std::size_t>(kv.residual_tokens) * s.head_dim * 2) == 0;
+        std::size_t const vo = static_cast<std::size_t>(s.kv_heads) * kl.bytes() + static_cast<std::size_t>(h) * vl.bytes();
+        same = same && std::memcmp(cpu + vo, gpu + vo, vl.bytes()) == 0;
+        r.expect(same, step + ": bytes differ (layer " + std::to_string(l) + ", head " + std::to_string(h) + ")");
+      }
+    }
+  }
+
+  void compare_attention(std::string const& step, int l, kvq::attention_options const& opt, double tol) {
+    int const d = c.shape().head_dim;
+    int const qh = 2 * c.shape().kv_heads;
+    auto const q = data(qh, d, 99);
+    std::vector<float> want(q.size()), got(q.size(), -3.0f), got2(q.size(), -3.0f);
+    kvq::decode_attention(c, l, q.data(), qh, want.data(), opt);
+    g.attention(l, q.data(), qh, got.data(), opt);
+    double const e = rel_error(want.data(), got.data(), qh, d);
+    r.expect(e <= tol, step + ": attention error " + std::to_string(e));
+    // The same through MTLBuffers (query at an offset).
+    kd::metal_ref<MTL::Buffer> qb(device->newBuffer(q.size() * 4 + 16, MTL::ResourceStorageModeShared));
+    kd::metal_ref<MTL::Buffer> ob(device->newBuffer(q.size() * 4, MTL::ResourceStorageModeShared));
+    std::memcpy(static_cast<std::uint8_t*>(qb->contents()) + 16, q.data(), q.size() * 4);
+    g.attention(l, qb.get(), 16, qh, ob.get(), 0, opt);
+    g.synchronize();
+    std::memcpy(got2.data(), ob->contents(), q.size() * 4);
+    r.expect(std::memcmp(got.data(), got2.data(), q.size() * 4) == 0, step + ": attention through buffers differs");
+    // The split form over a sub-range.
+    std::int64_t const n = c.size(l);
+    auto const pw = kvq::attend_range(c, l, q.data(), qh, n / 4, n - 3, opt);
+    auto const pg = g.attend(l, q.data(), qh, n / 4, n - 3, opt);
+    std::vector<float> fw(q.size()), fg(q.size());
+    kvq::finalize(pw, fw.data());
+    kvq::finalize(pg, fg.data());
+    r.expect(rel_error(fw.data(), fg.data(), qh, d) <= tol, step + ": attend (split form) differs");
+    bool max_ok = true;
+    for (int h = 0; h < qh; ++h)
+      max_ok = max_ok && (pw.max[static_cast<std::size_t>(h)] == pg.max[static_cast<std::size_t>(h)] ||
+                          std::fabs(pw.max[static_cast<std::size_t>(h)] - pg.max[static_cast<std::size_t>(h)]) <=
+                              1e-5f * (1.0f + std::fabs(pw.max[static_cast<std::size_t>(h)])));
+    r.expect(max_ok, step + ": attend running max differs");
+  }
+};
+
+/// Attention tolerance here: this test is about the cache's plumbing (ranges, heads, splits,
+/// buffers), whose mistakes give O(1) errors; the kernels' fp32 agreement is tested, tighter, in
+/// test_metal_kernels.cpp. (Its data has large logits, up to about 40, which scale rounding.)
+constexpr double attention_tolerance = 1e-4;
+
+template <class Choice>
+void check_choice(report& r, std::string const& name, int d, int residual) {
+  using gpu_cache = kvq::QuantizedKVCache<Choice, kvq::metal>;
+  using cpu_cache = kvq::QuantizedKVCache<Choice>;
+  r.where = name + " head_dim " + std::to_string(d) + " R " + std::to_string(residual);
+  long const live_before = kvq_mock::live_objects();
+  MTL::Device* device = MTL::CreateSystemDefaultDevice();
+  MTL::CommandQueue* queue = device->newCommandQueue();
+  try {
+    auto lib = std::make_shared<kvq::metal_library>(device);
+    kvq::cache_shape const shape{2, 2, d, 200};
+    typename gpu_cache::options go;
+    go.residual = residual;
+    go.threads = 64;
+    typename cpu_cache::options co;
+    co.residual = residual;
+    {
+      gpu_cache g(lib, queue, shape, go);
+      cpu_cache c(shape, co);
+      fixture<Choice> f{r, device, g, c};
+      int const kv = shape.kv_heads;
+      std::uint32_t seed = static_cast<std::uint32_t>(d);
+      // Layer 0: host f32 appends in chunks.
+      for (std::int64_t n : {3, 40, 1, 30, 33}) {
+        auto const k = data(n * kv, d, ++seed);
+        auto const v = data(n * kv, d, ++seed);
+        g.append(0, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+        c.append(0, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+      }
+      // Layer 1: host f16, then bf16 from an MTLBuffer, head-major at an offset.
+      {
+        std::int64_t const n = 37;
+        auto const k = data(n * kv, d, ++seed);
+        auto const v = data(n * kv, d, ++seed);
+        std::vector<kvq::f16> k16(k.size()), v16(v.size());
+        for (std::size_t i = 0; i < k.size(); ++i) {
+          k16[i] = kvq::to_f16(k[i]);
+          v16[i] = kvq::to_f16(v[i]);
+        }
+        g.append(1, kvq::token_major(k16.data(), n, kv, d), kvq::token_major(v16.data(), n, kv, d));
+        c.append(1, kvq::token_major(k16.data(), n, kv, d), kvq::token_major(v16.data(), n, kv, d));
+        std::int64_t const m = 45;
+        auto const k2 = data(m * kv, d, ++seed);
+        auto const v2 = data(m * kv, d, ++seed);
+        std::vector<kvq::bf16> kb(k2.size()), vb(v2.size());
+        for (int h = 0; h < kv; ++h)
+          for (std::int64_t t = 0; t < m; ++t)
+            for (int e = 0; e < d; ++e) {
+              std::size_t const src = static_cast<std::size_t>((t * kv + h) * d + e);
+              std::size_t const dst = static_cast<std::size_t>((h * m + t) * d + e);
+              kb[dst] = kvq::to_bf16(k2[src]);
+              vb[dst] = kvq::to_bf16(v2[src]);
+            }
+        kd::metal_ref<MTL::Buffer> kbuf(device->newBuffer(kb.size() * 2 + 8, MTL::ResourceStorageModeShared));
+        kd::metal_ref<MTL::Buffer> vbuf(device->newBuffer(vb.size() * 2 + 8, MTL::ResourceStorageModeShared));
+        std::memcpy(static_cast<std::uint8_t*>(kbuf->contents()) + 8, kb.data(), kb.size() * 2);
+        std::memcpy(static_cast<std::uint8_t*>(vbuf->contents()) + 8, vb.data(), vb.size() * 2);
+        kvq::metal_tensor kt{kbuf.get(), 8, m, kv, d, d, m * d, kvq_metal_elem_bf16};
+        kvq::metal_tensor vt{vbuf.get(), 8, m, kv, d, d, m * d, kvq_metal_elem_bf16};
+        g.append(1, kt, vt);
+        c.append(1, kvq::kv_tensor<kvq::bf16>{kb.data(), m, kv, d, d, m * d},
+                 kvq::kv_tensor<kvq::bf16>{vb.data(), m, kv, d, d, m * d});
+        g.synchronize();
+      }
+      f.compare_bytes("append");
+      f.compare_reads("append");
+      f.compare_attention("attention", 0, {}, attention_tolerance);
+      kvq::attention_options o;
+      o.window = 50;
+      o.softcap = 10.0f;
+      o.query = kvq::query_precision::q8_0;
+      f.compare_attention("attention with options", 1, o, attention_tolerance);
+
+      g.truncate(70);
+      c.truncate(70);
+      f.compare_bytes("truncate");
+      f.compare_reads("truncate");
+      for (int l = 0; l < 2; ++l) {
+        auto const k = data(20 * kv, d, ++seed);
+        auto const v = data(20 * kv, d, ++seed);
+        g.append(l, kvq::token_major(k.data(), 20, kv, d), kvq::token_major(v.data(), 20, kv, d));
+        c.append(l, kvq::token_major(k.data(), 20, kv, d), kvq::token_major(v.data(), 20, kv, d));
+      }
+      g.shift_left(32);
+      c.shift_left(32);
+      f.compare_bytes("shift_left");
+      f.compare_reads("shift_left");
+      f.compare_attention("attention after shift", 1, {}, attention_tolerance);
+      r.expect(g.memory().total_bytes == c.memory().total_bytes, "memory accounting differs");
+
+      // Misuse raises the CPU cache's error types and leaves the cache unchanged.
+      std::int64_t const before = g.size(0);
+      auto const big = data(200 * kv, d, 5);
+      auto raises = [&](auto&& fn) -> std::string {
+        try {
+          fn();
+        } catch (kvq::capacity_error const&) {
+          return "capacity";
+        } catch (kvq::index_error const&) {
+          return "index";
+        } catch (kvq::shape_error const&) {
+          return "shape";
+        } catch (kvq::invalid_argument_error const&) {
+          return "argument";
+        } catch (kvq::unsupported_error const&) {
+          return "unsupported";
+        } catch (kvq::error const&) {
+          return "error";
+        }
+        return "none";
+      };
+      r.expect(raises([&] { g.append(0, kvq::token_major(big.data(), 200, kv, d), kvq::token_major(big.data(), 200, kv, d)); }) == "capacity",
+               "append past capacity must raise capacity_error");
+      r.expect(g.size(0) == before, "a failed append changed the cache");
+      std::vector<float> out(static_cast<std::size_t>(d));
+      r.expect(raises([&] { g.read_keys(0, kv, 0, 1, out.data()); }) == "index", "a bad head must raise index_error");
+      r.expect(raises([&] { g.read_values(0, 0, before, 1, out.data()); }) == "index", "a bad range must raise index_error");
+      r.expect(raises([&] { g.attention(0, big.data(), kv + 1, out.data()); }) == "shape",
+               "q_heads not a multiple of kv_heads must raise shape_error");
+      r.expect(raises([&] { g.truncate(-1); }) == "argument", "truncate(-1) must raise invalid_argument_error");
+      if constexpr (cpu_cache::key_codec::layout == kvq::codec_layout::token_group)
+        r.expect(raises([&] { g.shift_left(5); }) == "unsupported", "a KIVI shift by 5 must raise unsupported_error");
+      f.compare_reads("after misuse");
+
+      // A GPU fault surfaces at the next synchronisation and makes the cache unusable.
+      kvq_mock::fail_next_commit() = true;
+      auto const k = data(kv, d, 7);
+      kd::metal_ref<MTL::Buffer> one(device->newBuffer(k.size() * 4, MTL::ResourceStorageModeShared));
+      std::memcpy(one->contents(), k.data(), k.size() * 4);
+      kvq::metal_tensor const t{one.get(), 0, 1, kv, d, static_cast<std::int64_t>(kv) * d, d, kvq_metal_elem_f32};
+      g.append(0, t, t);
+      r.expect(raises([&] { g.synchronize(); }) == "error", "a GPU fault must raise kvq::error at synchronize()");
+      r.expect(raises([&] { g.append(0, t, t); }) == "error", "a cache after a GPU fault must refuse work");
+    }
+    lib.reset();
+  } catch (std::exception const& e) {
+    r.fail(std::string("exception: ") + e.what());
+  }
+  queue->release();
+  device->release();
+  r.expect(kvq_mock::live_objects() == live_before,
+           "metal-cpp objects leaked: " + std::to_string(kvq_mock::live_objects() - live_before));
+  for (auto const& e : kvq_mock::errors()) r.fail("metal-cpp misuse: " + e);
+  kvq_mock::errors().clear();
+}
+
+}  // namespace
+
+auto run_metal_cache_mock(int head_dim) -> std::vector<std::string> {
+  report r;
+  NS::AutoreleasePool* pool = NS::AutoreleasePool::alloc()->init();
+  check_choice<kvq::q8_0>(r, "q8_0", head_dim, 32);
+  check_choice<kvq::q4_0>(r, "q4_0", head_dim, 32);
+  check_choice<kvq::int8_sym>(r, "int8", head_dim, 32);
+  check_choice<kvq::fp8_e4m3>(r, "fp8_e4m3", head_dim, 32);
+  check_choice<kvq::f16_codec>(r, "f16", head_dim, 32);
+  check_choice<kvq::kivi<4>>(r, "kivi4", head_dim, 32);
+  check_choice<kvq::kivi<2>>(r, "kivi2", head_dim, 0);
+  check_choice<kvq::kv_codecs<kvq::kivi_key<8>, kvq::kivi_value<2>>>(r, "kivi8/kivi2", head_dim, 64);
+  check_choice<kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<4>>>(r, "q8_0/kivi4", head_dim, 32);
+  pool->release();
+  return r.failures;
+}
