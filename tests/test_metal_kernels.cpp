@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "catch_compat.hpp"
-#include "metal/metal_cache_mock.hpp"
+#include "metal/metal_cache_checks.hpp"
 #include "metal/metal_shim.hpp"
 #include "test_support.hpp"
 
@@ -548,10 +548,11 @@ TEST_CASE("metal kernels threadgroup memory layout and launch planning", "[metal
 }
 
 TEST_CASE("metal cache on a mock metal-cpp matches the CPU cache", "[metal]") {
-  // backend/metal/metal_cache.hpp compiled against tests/metal/mock_metal_cpp (see there).
+  // backend/metal/metal_cache.hpp compiled against tests/metal/mock_metal_cpp (see
+  // tests/metal/metal_cache_checks.cpp).
   for (int d : {8, 64, 80, 128}) {
     INFO("head_dim " << d);
-    auto const failures = run_metal_cache_mock(d);
+    auto const failures = run_metal_cache_checks(d);
     for (auto const& f : failures) UNSCOPED_INFO(f);
     CHECK(failures.empty());
   }

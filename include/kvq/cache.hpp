@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "backend/cpu/kernels.hpp"
 #include "codec/codec.hpp"
 #include "codec/fp8.hpp"
 #include "codec/kivi.hpp"
@@ -84,25 +85,25 @@ constexpr auto token_major(T const* data, std::int64_t tokens, int kv_heads, int
 
 /// Memory use of a cache, every byte accounted for.
 struct memory_report {
-  std::size_t total_bytes = 0;     ///< bytes allocated
-  std::size_t key_bytes = 0;       ///< quantized key storage (scales and padding included)
-  std::size_t value_bytes = 0;     ///< quantized value storage (scales and padding included)
-  std::size_t residual_bytes = 0;  ///< KIVI f16 residual / window buffers
-  std::size_t alignment_bytes = 0; ///< bytes lost to 64-byte alignment
-  double bytes_per_token = 0;      ///< total_bytes / capacity (all layers, K and V)
-  double bits_per_element = 0;     ///< total_bytes * 8 / (capacity * layers * kv_heads * head_dim * 2)
+  std::size_t total_bytes = 0;      ///< bytes allocated
+  std::size_t key_bytes = 0;        ///< quantized key storage (scales and padding included)
+  std::size_t value_bytes = 0;      ///< quantized value storage (scales and padding included)
+  std::size_t residual_bytes = 0;   ///< KIVI f16 residual / window buffers
+  std::size_t alignment_bytes = 0;  ///< bytes lost to 64-byte alignment
+  double bytes_per_token = 0;       ///< total_bytes / capacity (all layers, K and V)
+  double bits_per_element = 0;      ///< total_bytes * 8 / (capacity * layers * kv_heads * head_dim * 2)
 };
 
 /// A non-owning view of one (layer, kv_head)'s key or value storage.
 struct storage_view {
-  std::byte const* units = nullptr;       ///< encoded rows or tiles, 64-byte aligned
-  std::size_t unit_bytes = 0;             ///< bytes per row (row codecs) or per tile (KIVI keys)
-  int tokens_per_unit = 1;                ///< 1 for rows, G for tiles
-  std::int64_t quantized_tokens = 0;      ///< tokens [0, quantized_tokens) live in `units`
-  f16 const* residual = nullptr;          ///< f16 rows of the residual (KIVI), else nullptr
-  std::int64_t residual_tokens = 0;       ///< tokens [quantized_tokens, length) live in `residual`
-  std::int64_t residual_capacity = 0;     ///< rows of the residual buffer
-  std::int64_t residual_first = 0;        ///< ring index of token `quantized_tokens` (values window)
+  std::byte const* units = nullptr;    ///< encoded rows or tiles, 64-byte aligned
+  std::size_t unit_bytes = 0;          ///< bytes per row (row codecs) or per tile (KIVI keys)
+  int tokens_per_unit = 1;             ///< 1 for rows, G for tiles
+  std::int64_t quantized_tokens = 0;   ///< tokens [0, quantized_tokens) live in `units`
+  f16 const* residual = nullptr;       ///< f16 rows of the residual (KIVI), else nullptr
+  std::int64_t residual_tokens = 0;    ///< tokens [quantized_tokens, length) live in `residual`
+  std::int64_t residual_capacity = 0;  ///< rows of the residual buffer
+  std::int64_t residual_first = 0;     ///< ring index of token `quantized_tokens` (values window)
 };
 
 namespace detail {
@@ -174,18 +175,14 @@ struct region_layout {
 /// Converts one input row (head_dim elements) to float.
 template <element T>
 inline void row_to_f32(T const* src, int head_dim, float* dst) {
-  for (int i = 0; i < head_dim; ++i) dst[i] = load_f32(src[i]);
+  cpu_kernels::convert_to_f32(src, dst, head_dim);
 }
 
 /// Rounds a float row to f16 storage.
-inline void row_to_f16(float const* src, int head_dim, f16* dst) {
-  for (int i = 0; i < head_dim; ++i) dst[i] = to_f16(src[i]);
-}
+inline void row_to_f16(float const* src, int head_dim, f16* dst) { cpu_kernels::convert_from_f32(src, dst, head_dim); }
 
 /// Widens an f16 row to float.
-inline void row_from_f16(f16 const* src, int head_dim, float* dst) {
-  for (int i = 0; i < head_dim; ++i) dst[i] = to_f32(src[i]);
-}
+inline void row_from_f16(f16 const* src, int head_dim, float* dst) { cpu_kernels::convert_to_f32(src, dst, head_dim); }
 
 }  // namespace detail
 
@@ -220,15 +217,17 @@ class QuantizedKVCache {
 
   /// Run-time options of a cache.
   struct options {
-    int residual = 128;           ///< KIVI residual length R (a multiple of G; 0 allowed); ignored otherwise
-    key_params key{};             ///< run-time parameters of the key codec (e.g. fp8 scale)
-    value_params value{};         ///< run-time parameters of the value codec
+    int residual = 128;    ///< KIVI residual length R (a multiple of G; 0 allowed); ignored otherwise
+    key_params key{};      ///< run-time parameters of the key codec (e.g. fp8 scale)
+    value_params value{};  ///< run-time parameters of the value codec
     std::pmr::memory_resource* memory = nullptr;  ///< allocator hook; nullptr = the default resource
   };
 
   /// Allocates a cache of `shape`; raises invalid_argument_error on a bad shape or option.
   explicit QuantizedKVCache(cache_shape const& shape, options const& opt = options{})
-      : shape_(validated(shape, opt)), opt_(opt), key_layout_(key_region::make(shape, opt.residual)),
+      : shape_(validated(shape, opt)),
+        opt_(opt),
+        key_layout_(key_region::make(shape, opt.residual)),
         value_layout_(value_region::make(shape, opt.residual)) {
     memory_ = opt_.memory ? opt_.memory : std::pmr::get_default_resource();
     layer_bytes_ = static_cast<std::size_t>(shape_.kv_heads) * (key_layout_.bytes() + value_layout_.bytes());
@@ -255,8 +254,13 @@ class QuantizedKVCache {
   QuantizedKVCache(QuantizedKVCache const&) = delete;
   QuantizedKVCache& operator=(QuantizedKVCache const&) = delete;
   QuantizedKVCache(QuantizedKVCache&& o) noexcept
-      : shape_(o.shape_), opt_(o.opt_), key_layout_(o.key_layout_), value_layout_(o.value_layout_),
-        memory_(o.memory_), layer_bytes_(o.layer_bytes_), layers_(std::move(o.layers_)) {
+      : shape_(o.shape_),
+        opt_(o.opt_),
+        key_layout_(o.key_layout_),
+        value_layout_(o.value_layout_),
+        memory_(o.memory_),
+        layer_bytes_(o.layer_bytes_),
+        layers_(std::move(o.layers_)) {
     o.layers_.clear();
     o.shape_.layers = 0;  // the moved-from cache has no layers: every layer index is out of range
   }
@@ -281,9 +285,9 @@ class QuantizedKVCache {
     check_layer(layer);
     check_tensor(keys, "keys");
     check_tensor(values, "values");
-    detail::check<shape_error>(keys.tokens == values.tokens,
-                               "append: keys have " + std::to_string(keys.tokens) + " tokens but values have " +
-                                   std::to_string(values.tokens));
+    detail::check<shape_error>(keys.tokens == values.tokens, "append: keys have " + std::to_string(keys.tokens) +
+                                                                 " tokens but values have " +
+                                                                 std::to_string(values.tokens));
     auto& st = layers_[static_cast<std::size_t>(layer)];
     std::int64_t const n = keys.tokens;
     detail::check<capacity_error>(n <= shape_.capacity - st.length,
@@ -343,8 +347,8 @@ class QuantizedKVCache {
             std::byte const* tile = key_units(st.base, h) + static_cast<std::size_t>(q / g) * key_unit_bytes();
             f16* res = key_residual(st.base, h);
             for (std::int64_t t = q; t < n; ++t) {
-              key_codec::decode_token(reinterpret_cast<std::uint8_t const*>(tile), d, static_cast<int>(t - q),
-                                      row.data(), opt_.key);
+              cpu_kernels::decode_tile_tokens<key_codec>(reinterpret_cast<std::uint8_t const*>(tile), d,
+                                                         static_cast<int>(t - q), 1, row.data(), d, opt_.key);
               detail::row_to_f16(row.data(), d, res + (t - q) * d);
             }
           }
@@ -370,9 +374,9 @@ class QuantizedKVCache {
   void shift_left(std::int64_t n) {
     detail::check<invalid_argument_error>(n >= 0, "shift_left: n = " + std::to_string(n) + " is negative");
     if constexpr (key_codec::layout == codec_layout::token_group) {
-      detail::check<unsupported_error>(n % key_codec::group == 0,
-                                       "shift_left: KIVI keys shift by multiples of G = " +
-                                           std::to_string(key_codec::group) + ", not " + std::to_string(n));
+      detail::check<unsupported_error>(n % key_codec::group == 0, "shift_left: KIVI keys shift by multiples of G = " +
+                                                                      std::to_string(key_codec::group) + ", not " +
+                                                                      std::to_string(n));
     }
     for (std::size_t l = 0; l < layers_.size(); ++l)
       detail::check<index_error>(layers_[l].length == 0 || n <= layers_[l].length,
@@ -466,12 +470,13 @@ class QuantizedKVCache {
         if (t < st.key_quantized) {
           auto const* tile = reinterpret_cast<std::uint8_t const*>(key_units(st.base, head)) +
                              static_cast<std::size_t>(t / key_codec::group) * key_unit_bytes();
-          key_codec::decode_token(tile, d, static_cast<int>(t % key_codec::group), y, opt_.key);
+          cpu_kernels::decode_tile_tokens<key_codec>(tile, d, static_cast<int>(t % key_codec::group), 1, y, d,
+                                                     opt_.key);
         } else {
           detail::row_from_f16(key_residual(st.base, head) + (t - st.key_quantized) * d, d, y);
         }
       } else {
-        key_codec::decode_row(reinterpret_cast<std::uint8_t const*>(key_units(st.base, head)) +
+        decode_one<key_codec>(reinterpret_cast<std::uint8_t const*>(key_units(st.base, head)) +
                                   static_cast<std::size_t>(t) * key_unit_bytes(),
                               d, y, opt_.key);
       }
@@ -494,7 +499,7 @@ class QuantizedKVCache {
           continue;
         }
       }
-      value_codec::decode_row(
+      decode_one<value_codec>(
           reinterpret_cast<std::uint8_t const*>(value_units(st.base, head)) + static_cast<std::size_t>(t) * rb, d, y,
           opt_.value);
     }
@@ -502,28 +507,39 @@ class QuantizedKVCache {
 
   /// Raises index_error unless 0 <= layer < layers.
   void check_layer(int layer) const {
-    detail::check<index_error>(layer >= 0 && layer < shape_.layers, "layer " + std::to_string(layer) +
-                                                                         " is out of range [0, " +
-                                                                         std::to_string(shape_.layers) + ")");
+    detail::check<index_error>(
+        layer >= 0 && layer < shape_.layers,
+        "layer " + std::to_string(layer) + " is out of range [0, " + std::to_string(shape_.layers) + ")");
   }
   /// Raises index_error unless 0 <= head < kv_heads.
   void check_head(int head) const {
-    detail::check<index_error>(head >= 0 && head < shape_.kv_heads, "kv_head " + std::to_string(head) +
-                                                                         " is out of range [0, " +
-                                                                         std::to_string(shape_.kv_heads) + ")");
+    detail::check<index_error>(
+        head >= 0 && head < shape_.kv_heads,
+        "kv_head " + std::to_string(head) + " is out of range [0, " + std::to_string(shape_.kv_heads) + ")");
   }
 
  private:
+  /// Encodes one f32 row with the CPU kernels of codec C.
+  template <class C>
+  static void encode_one(float const* x, int d, std::uint8_t* dst, typename C::params_type const& p) {
+    cpu_kernels::encode_rows<C>(x, d, 1, d, dst, C::geometry(d).bytes(), p);
+  }
+  /// Decodes one row with the CPU kernels of codec C.
+  template <class C>
+  static void decode_one(std::uint8_t const* src, int d, float* y, typename C::params_type const& p) {
+    cpu_kernels::decode_rows<C>(src, C::geometry(d).bytes(), 1, d, y, d, p);
+  }
+
   using key_region = detail::region_layout<key_codec, false>;
   using value_region = detail::region_layout<value_codec, true>;
 
   struct layer_state {
     std::byte* base = nullptr;
-    std::int64_t length = 0;          // tokens in the layer
-    std::int64_t key_quantized = 0;   // KIVI keys: tokens in tiles (multiple of G)
-    std::int64_t value_quantized = 0; // KIVI values: tokens in rows
-    std::int64_t window_tokens = 0;   // KIVI values: tokens in the window
-    std::int64_t window_first = 0;    // KIVI values: ring slot of the oldest window token
+    std::int64_t length = 0;           // tokens in the layer
+    std::int64_t key_quantized = 0;    // KIVI keys: tokens in tiles (multiple of G)
+    std::int64_t value_quantized = 0;  // KIVI values: tokens in rows
+    std::int64_t window_tokens = 0;    // KIVI values: tokens in the window
+    std::int64_t window_first = 0;     // KIVI values: ring slot of the oldest window token
   };
 
   static auto validated(cache_shape const& s, options const& o) -> cache_shape {
@@ -562,10 +578,10 @@ class QuantizedKVCache {
     double const key_units = key_codec::layout == codec_layout::token_group
                                  ? static_cast<double>(s.capacity / key_codec::geometry(s.head_dim).tokens)
                                  : static_cast<double>(s.capacity);
-    double const per_head = key_units * static_cast<double>(key_codec::geometry(s.head_dim).bytes()) +
-                            static_cast<double>(s.capacity) *
-                                static_cast<double>(value_codec::geometry(s.head_dim).bytes()) +
-                            residual_rows * s.head_dim * 2.0 + 4.0 * storage_alignment;
+    double const per_head =
+        key_units * static_cast<double>(key_codec::geometry(s.head_dim).bytes()) +
+        static_cast<double>(s.capacity) * static_cast<double>(value_codec::geometry(s.head_dim).bytes()) +
+        residual_rows * s.head_dim * 2.0 + 4.0 * storage_alignment;
     check<invalid_argument_error>(
         per_head * s.kv_heads * s.layers <= static_cast<double>(std::numeric_limits<std::size_t>::max()) / 2,
         "cache: " + std::to_string(s.layers) + " layers x " + std::to_string(s.kv_heads) + " kv_heads x " +
@@ -630,16 +646,16 @@ class QuantizedKVCache {
           for (std::int64_t t = 0; t < g; ++t) detail::row_from_f16(res + (k * g + t) * d, d, tile.data() + t * d);
           auto* dst = reinterpret_cast<std::uint8_t*>(key_units(base, h)) +
                       static_cast<std::size_t>(s.key_quantized / g + k) * key_unit_bytes();
-          key_codec::encode_tile(tile.data(), d, d, dst, opt_.key);
+          cpu_kernels::encode_tile<key_codec>(tile.data(), d, d, dst, opt_.key);
         }
         s.key_quantized += f;
       }
     } else {
       (void)tile;
-      key_codec::encode_row(row, d,
-                            reinterpret_cast<std::uint8_t*>(key_units(base, h)) +
-                                static_cast<std::size_t>(s.length) * key_unit_bytes(),
-                            opt_.key);
+      encode_one<key_codec>(
+          row, d,
+          reinterpret_cast<std::uint8_t*>(key_units(base, h)) + static_cast<std::size_t>(s.length) * key_unit_bytes(),
+          opt_.key);
     }
   }
 
@@ -652,14 +668,14 @@ class QuantizedKVCache {
       std::int64_t const r = value_layout_.residual_rows;
       if (r == 0) {  // no window: quantize the f16-rounded value at once
         for (int i = 0; i < d; ++i) row[i] = to_f32(to_f16(row[i]));
-        value_codec::encode_row(row, d, rows + static_cast<std::size_t>(s.value_quantized) * rb, opt_.value);
+        encode_one<value_codec>(row, d, rows + static_cast<std::size_t>(s.value_quantized) * rb, opt_.value);
         ++s.value_quantized;
         return;
       }
       f16* win = value_window(base, h);
       if (s.window_tokens == r) {  // the oldest token leaves the window: quantize its stored value
         detail::row_from_f16(win + s.window_first * d, d, scratch.data());
-        value_codec::encode_row(scratch.data(), d, rows + static_cast<std::size_t>(s.value_quantized) * rb, opt_.value);
+        encode_one<value_codec>(scratch.data(), d, rows + static_cast<std::size_t>(s.value_quantized) * rb, opt_.value);
         ++s.value_quantized;
         s.window_first = (s.window_first + 1) % r;
         --s.window_tokens;
@@ -668,7 +684,7 @@ class QuantizedKVCache {
       ++s.window_tokens;
     } else {
       (void)scratch;
-      value_codec::encode_row(row, d, rows + static_cast<std::size_t>(s.length) * rb, opt_.value);
+      encode_one<value_codec>(row, d, rows + static_cast<std::size_t>(s.length) * rb, opt_.value);
     }
   }
 

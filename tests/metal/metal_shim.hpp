@@ -5,11 +5,12 @@
 // lockstep, every Metal thread on its own execution context: threadgroup_barrier waits for all of
 // the threadgroup, and SIMD-group operations exchange values through per-SIMD-group scratch memory
 // between two waits of that SIMD-group. Two interchangeable engines:
-//   * fibers (default): ucontext coroutines on the calling thread, switched only at barriers, in a
-//     fixed order: deterministic, and each thread runs as far as it can before the others, so a
-//     missing barrier shows up as a read of data not yet written;
-//   * threads (environment KVQ_METAL_SHIM_THREADS=1): one std::thread per Metal thread and
-//     std::barrier, truly concurrent (for ThreadSanitizer; much slower on few cores).
+//   * fibers (the default, except on macOS where ucontext is deprecated): coroutines on the
+//     calling thread, switched only at barriers, in a fixed order: deterministic, and each thread
+//     runs as far as it can before the others, so a missing barrier shows up as a read of data
+//     not yet written;
+//   * threads (environment KVQ_METAL_SHIM_THREADS=1, and always on macOS): one std::thread per
+//     Metal thread and std::barrier, truly concurrent (for ThreadSanitizer; slow on few cores).
 // Threadgroup memory is filled with 0xff bytes (NaN) before each threadgroup, so a kernel that
 // reads it before writing it shows NaNs.
 //
@@ -46,7 +47,10 @@
 #include <type_traits>
 #include <vector>
 
-#include <ucontext.h>
+#if !defined(__APPLE__)  // ucontext is deprecated on macOS: the thread engine only
+#  include <ucontext.h>
+#  define KVQ_METAL_SHIM_FIBERS 1
+#endif
 
 namespace kvq_metal_shim {
 
@@ -172,6 +176,7 @@ class thread_sync final : public group_sync {
   std::deque<std::barrier<>> simd_;
 };
 
+#if defined(KVQ_METAL_SHIM_FIBERS)
 /// The fiber engine: one ucontext per Metal thread, all on the calling OS thread. A waiting fiber
 /// returns to the scheduler, which resumes the runnable fibers in index order and releases a
 /// barrier once every fiber it concerns has arrived.
@@ -282,10 +287,17 @@ class fiber_sync final : public group_sync {
   std::function<void(std::uint32_t)> const* body_ = nullptr;
 };
 
-/// True when the thread engine was asked for (environment KVQ_METAL_SHIM_THREADS=1).
+#endif  // KVQ_METAL_SHIM_FIBERS
+
+/// True when the thread engine was asked for (environment KVQ_METAL_SHIM_THREADS=1) or is the
+/// only one (no ucontext).
 inline auto use_threads() -> bool {
+#if defined(KVQ_METAL_SHIM_FIBERS)
   char const* e = std::getenv("KVQ_METAL_SHIM_THREADS");
   return e != nullptr && e[0] == '1';
+#else
+  return true;
+#endif
 }
 
 /// Runs `body` for every thread of `groups` threadgroups of `threads` threads, one threadgroup at
@@ -317,6 +329,7 @@ inline void run_threadgroups(size3 groups, size3 threads, std::size_t threadgrou
     return ids;
   };
 
+#if defined(KVQ_METAL_SHIM_FIBERS)
   if (!use_threads()) {
     fiber_sync sync(n, simd_width);
     group_state state{&sync, &scratch, simd_width};
@@ -330,6 +343,7 @@ inline void run_threadgroups(size3 groups, size3 threads, std::size_t threadgrou
     current = thread_state{};
     return;
   }
+#endif
 
   thread_sync sync(n, simdgroups, simd_width);
   group_state state{&sync, &scratch, simd_width};

@@ -677,13 +677,17 @@ struct simd_codecs {
             acc[k] = V::or_i(acc[k], V::sll_n(q, j * B));
           }
         }
-        int const nbytes = K::code_bytes - 4 * w < 4 ? K::code_bytes - 4 * w : 4;
         for (int k = 0; k < nv; ++k) {
           alignas(64) std::int32_t words[W];
           V::store_i(words, acc[k]);
           u8* const codes = dst + K::codes_offset(head_dim, cb + k * W) + 4 * w;
-          for (int l = 0; l < W; ++l)
-            std::memcpy(codes + l * K::code_bytes, &words[l], static_cast<std::size_t>(nbytes));
+          if constexpr (K::code_bytes % 4 == 0) {  // whole words: fixed-size stores
+            for (int l = 0; l < W; ++l) std::memcpy(codes + l * K::code_bytes, &words[l], 4);
+          } else {
+            int const nbytes = K::code_bytes - 4 * w < 4 ? K::code_bytes - 4 * w : 4;
+            for (int l = 0; l < W; ++l)
+              std::memcpy(codes + l * K::code_bytes, &words[l], static_cast<std::size_t>(nbytes));
+          }
         }
       }
     }

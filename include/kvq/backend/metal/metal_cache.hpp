@@ -576,9 +576,9 @@ class QuantizedKVCache<Choice, metal> {
     return b;
   }
 
-  void dispatch(MTL::ComputeCommandEncoder* enc, detail::metal_kernel kernel, int codec, int value_codec,
+  void dispatch(MTL::ComputeCommandEncoder* enc, detail::metal_kernel kernel, int codec, int second_codec,
                 std::uint32_t grid_x, std::uint32_t grid_y) {
-    MTL::ComputePipelineState* ps = library_->pipeline(kernel, codec, value_codec);
+    MTL::ComputePipelineState* ps = library_->pipeline(kernel, codec, second_codec);
     enc->setComputePipelineState(ps);
     NS::UInteger const w = std::max<NS::UInteger>(ps->threadExecutionWidth(), 1);
     NS::UInteger const hgt = std::max<NS::UInteger>(1, std::min<NS::UInteger>(ps->maxTotalThreadsPerThreadgroup() / w, 4));

@@ -1,29 +1,26 @@
-// kvq tests: the Metal cache (include/kvq/backend/metal/metal_cache.hpp) compiled and run on Linux
-// against a mock of metal-cpp (mock_metal_cpp/) whose "GPU" runs kernels.metal through the shim,
-// compared with the CPU cache: same reads bit for bit, same layer bytes, attention within fp32
-// rounding, the same errors for the same misuse, a GPU fault reported at synchronize() and making
-// the cache unusable, no leaked metal-cpp object and no misuse of the (mock) API.
+// kvq tests: checks of the Metal cache (include/kvq/backend/metal/metal_cache.hpp) against the CPU
+// cache: same reads bit for bit, same layer bytes, attention (also through MTLBuffers, and the
+// split form) within fp32 rounding, the same error types for the same misuse, for several codecs.
 //
-// metal_cache.hpp is guarded by __APPLE__ && KVQ_WITH_METAL, so this translation unit defines both
-// after including every system header it needs (Catch2 and the C++ library react to __APPLE__;
-// kvq's headers do not). It has no Catch2: test_metal_kernels.cpp calls run_metal_cache_mock().
+// Two builds of this file:
+//   * KVQ_METAL_MOCK (on Linux, in test_metal_kernels): against a mock of metal-cpp
+//     (mock_metal_cpp/) whose "GPU" runs kernels.metal on the CPU through the shim; adds checks
+//     that only the mock can make: a GPU fault reported at synchronize() and making the cache
+//     unusable, no leaked metal-cpp object, no misuse of the (mock) API.
+//     metal_cache.hpp is guarded by __APPLE__ && KVQ_WITH_METAL, so this build defines both
+//     after including every system header it needs (Catch2 and the C++ library react to
+//     __APPLE__; kvq's headers do not). This file has no Catch2: its caller reports failures.
+//   * otherwise (on a Mac, in test_metal_device, with KVQ_WITH_METAL and the user's metal-cpp):
+//     against the system's default Metal device.
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <exception>
-#include <functional>
 #include <limits>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <random>
-#include <sstream>
 #include <string>
-#include <thread>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -37,14 +34,26 @@
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
 
-#include "metal_shim.hpp"
+#if defined(KVQ_METAL_MOCK)
+#  include "metal_shim.hpp"
+#  if !defined(__APPLE__)
+#    define __APPLE__ 1
+#    define KVQ_UNDEF_APPLE 1
+#  endif
+#  define KVQ_WITH_METAL 1
+#  include <kvq/backend/metal/metal_cache.hpp>
+#  if defined(KVQ_UNDEF_APPLE)
+#    undef __APPLE__
+#  endif
+#else
+#  define NS_PRIVATE_IMPLEMENTATION
+#  define MTL_PRIVATE_IMPLEMENTATION
+#  include <Foundation/Foundation.hpp>
+#  include <Metal/Metal.hpp>
+#  include <kvq/backend/metal/metal_cache.hpp>
+#endif
 
-#define __APPLE__ 1
-#define KVQ_WITH_METAL 1
-#include <kvq/backend/metal/metal_cache.hpp>
-#undef __APPLE__
-
-#include "metal_cache_mock.hpp"
+#include "metal_cache_checks.hpp"
 
 namespace {
 
@@ -201,8 +210,14 @@ void check_choice(report& r, std::string const& name, int d, int residual) {
   using gpu_cache = kvq::QuantizedKVCache<Choice, kvq::metal>;
   using cpu_cache = kvq::QuantizedKVCache<Choice>;
   r.where = name + " head_dim " + std::to_string(d) + " R " + std::to_string(residual);
+#if defined(KVQ_METAL_MOCK)
   long const live_before = kvq_mock::live_objects();
+#endif
   MTL::Device* device = MTL::CreateSystemDefaultDevice();
+  if (device == nullptr) {
+    r.fail("no Metal device");
+    return;
+  }
   MTL::CommandQueue* queue = device->newCommandQueue();
   try {
     auto lib = std::make_shared<kvq::metal_library>(device);
@@ -320,6 +335,7 @@ void check_choice(report& r, std::string const& name, int d, int residual) {
         r.expect(raises([&] { g.shift_left(5); }) == "unsupported", "a KIVI shift by 5 must raise unsupported_error");
       f.compare_reads("after misuse");
 
+#if defined(KVQ_METAL_MOCK)
       // A GPU fault surfaces at the next synchronisation and makes the cache unusable.
       kvq_mock::fail_next_commit() = true;
       auto const k = data(kv, d, 7);
@@ -329,6 +345,7 @@ void check_choice(report& r, std::string const& name, int d, int residual) {
       g.append(0, t, t);
       r.expect(raises([&] { g.synchronize(); }) == "error", "a GPU fault must raise kvq::error at synchronize()");
       r.expect(raises([&] { g.append(0, t, t); }) == "error", "a cache after a GPU fault must refuse work");
+#endif
     }
     lib.reset();
   } catch (std::exception const& e) {
@@ -336,15 +353,17 @@ void check_choice(report& r, std::string const& name, int d, int residual) {
   }
   queue->release();
   device->release();
+#if defined(KVQ_METAL_MOCK)
   r.expect(kvq_mock::live_objects() == live_before,
            "metal-cpp objects leaked: " + std::to_string(kvq_mock::live_objects() - live_before));
   for (auto const& e : kvq_mock::errors()) r.fail("metal-cpp misuse: " + e);
   kvq_mock::errors().clear();
+#endif
 }
 
 }  // namespace
 
-auto run_metal_cache_mock(int head_dim) -> std::vector<std::string> {
+auto run_metal_cache_checks(int head_dim) -> std::vector<std::string> {
   report r;
   NS::AutoreleasePool* pool = NS::AutoreleasePool::alloc()->init();
   check_choice<kvq::q8_0>(r, "q8_0", head_dim, 32);
