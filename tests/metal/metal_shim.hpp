@@ -6,9 +6,9 @@
 // the threadgroup, and SIMD-group operations exchange values through per-SIMD-group scratch memory
 // between two waits of that SIMD-group. Two interchangeable engines:
 //   * fibers (the default, except on macOS where ucontext is deprecated): coroutines on the
-//     calling thread, switched only at barriers, in a fixed order: deterministic, and each thread
-//     runs as far as it can before the others, so a missing barrier shows up as a read of data
-//     not yet written;
+//     calling thread, switched only at barriers, deterministic; the first SIMD-group (the last,
+//     in every other threadgroup) runs as far as it can before the others start, so a missing
+//     barrier shows up as a read of data not yet written, or already overwritten;
 //   * threads (environment KVQ_METAL_SHIM_THREADS=1, and always on macOS): one std::thread per
 //     Metal thread and std::barrier, truly concurrent (for ThreadSanitizer; slow on few cores).
 // Threadgroup memory is filled with 0xff bytes (NaN) before each threadgroup, so a kernel that
@@ -30,6 +30,7 @@
 // lockstep), threadgroup memory limits, Metal's own float arithmetic (the host's is used).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <barrier>
 #include <cmath>
@@ -177,9 +178,11 @@ class thread_sync final : public group_sync {
 };
 
 #if defined(KVQ_METAL_SHIM_FIBERS)
-/// The fiber engine: one ucontext per Metal thread, all on the calling OS thread. A waiting fiber
-/// returns to the scheduler, which resumes the runnable fibers in index order and releases a
-/// barrier once every fiber it concerns has arrived.
+/// The fiber engine: one ucontext per Metal thread, all on the calling OS thread. The scheduler
+/// always resumes the first runnable fiber in priority order (ascending thread index, or
+/// descending), and releases a barrier as soon as its last fiber arrives: so the first SIMD-group
+/// runs as far as it can (up to a threadgroup barrier) before the next one starts, and a read that
+/// lacks a barrier sees data not written yet (ascending) or already overwritten (descending).
 class fiber_sync final : public group_sync {
  public:
   fiber_sync(std::uint32_t threads, std::uint32_t width)
@@ -189,35 +192,41 @@ class fiber_sync final : public group_sync {
   void group_wait() override { wait(kind::group); }
   void simd_wait(std::uint32_t) override { wait(kind::simd); }
 
-  /// Runs body(k) for k = 0 .. threads - 1, each on its own fiber, to completion.
-  void run(std::function<void(std::uint32_t)> const& body) {
+  /// Runs body(k) for k = 0 .. threads - 1, each on its own fiber, to completion; `descending`
+  /// gives the last thread the highest priority.
+  void run(std::function<void(std::uint32_t)> const& body, bool descending) {
     body_ = &body;
     std::uint32_t const n = static_cast<std::uint32_t>(fibers_.size());
     for (std::uint32_t k = 0; k < n; ++k) prepare(k);
+    group_arrived_ = 0;
+    std::fill(simd_arrived_.begin(), simd_arrived_.end(), 0u);
     std::uint32_t finished = 0;
     while (finished < n) {
-      bool progress = false;
-      for (std::uint32_t k = 0; k < n; ++k) {
-        fiber const& f = fibers_[k];
-        if (f.done || f.waiting != kind::none) continue;
-        resume(k);
-        progress = true;
-        if (f.done) ++finished;
+      std::uint32_t k = n;
+      for (std::uint32_t i = 0; i < n; ++i) {
+        std::uint32_t const c = descending ? n - 1 - i : i;
+        if (!fibers_[c].done && fibers_[c].waiting == kind::none) {
+          k = c;
+          break;
+        }
       }
-      // Release every barrier all of whose fibers (the unfinished ones) have arrived.
-      if (group_arrived_ > 0 && group_arrived_ + finished == n) {
-        if (finished != 0) fail("threadgroup_barrier not reached by every thread");
+      if (k == n) fail("deadlock: threads wait at different barriers (divergent barrier or SIMD-group call)");
+      resume(k);
+      if (fibers_[k].done) {
+        ++finished;
+        if (group_arrived_ > 0 || simd_arrived_[k / width_] > 0)
+          fail("a thread finished while others of its threadgroup or SIMD-group wait at a barrier");
+        continue;
+      }
+      // Release the barrier this fiber now waits at if it was the last to arrive.
+      if (fibers_[k].waiting == kind::group && group_arrived_ == n) {
         for (auto& f : fibers_) f.waiting = kind::none;
         group_arrived_ = 0;
-        progress = true;
-      }
-      for (std::uint32_t sg = 0; sg < simd_arrived_.size(); ++sg) {
-        if (simd_arrived_[sg] == 0 || simd_arrived_[sg] != width_) continue;
+      } else if (fibers_[k].waiting == kind::simd && simd_arrived_[k / width_] == width_) {
+        std::uint32_t const sg = k / width_;
         for (std::uint32_t l = 0; l < width_; ++l) fibers_[sg * width_ + l].waiting = kind::none;
         simd_arrived_[sg] = 0;
-        progress = true;
       }
-      if (!progress) fail("deadlock: threads wait at different barriers (divergent barrier or SIMD-group call)");
     }
   }
 
@@ -335,10 +344,12 @@ inline void run_threadgroups(size3 groups, size3 threads, std::size_t threadgrou
     group_state state{&sync, &scratch, simd_width};
     for (std::uint64_t gi = 0; gi < total; ++gi) {
       std::memset(memory.data(), 0xff, memory.size() * sizeof(float));  // uninitialised: NaN
-      sync.run([&](std::uint32_t k) {
-        current = thread_state{&state, k / simd_width, k % simd_width};
-        body(ids_of(k, gi));
-      });
+      sync.run(
+          [&](std::uint32_t k) {
+            current = thread_state{&state, k / simd_width, k % simd_width};
+            body(ids_of(k, gi));
+          },
+          gi % 2 == 1);
     }
     current = thread_state{};
     return;

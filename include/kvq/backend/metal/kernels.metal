@@ -576,6 +576,7 @@ kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(
         p_s[g * T + i] = s;
       }
     }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // Online softmax, as kvq::attend_range goes token by token: one SIMD-group per head, lanes
     // over the tile's tokens. Token i's probability is taken against the running max after it,

@@ -19,6 +19,8 @@
 //     marks the cache unusable (every later call raises).
 //   * Host-side bookkeeping (token counts, KIVI residual/window positions) and all argument
 //     checks happen before anything is encoded: a call that raises leaves the cache unchanged.
+//   * Not thread-safe: every call encodes work and most update the bookkeeping; use a cache from
+//     one thread at a time (unlike the CPU cache, reads are not const).
 //   * Launch plans (which kernels, arguments, grids) come from kvq_metal_args.h, which the CPU
 //     test harness of the kernels (tests/metal) runs on the CPU. This file itself has never been
 //     compiled on a Mac by kvq's CI: see docs/metal.md.
@@ -334,9 +336,10 @@ class QuantizedKVCache<Choice, metal> {
                                "read: the output buffer is null, misaligned or too small");
     if (count == 0) return;
     detail::metal_pool pool;
+    MTL::ComputePipelineState* ps = decode_pipeline(keys);
     auto* cb = queue_->commandBuffer();
     auto* enc = cb->computeCommandEncoder();
-    encode_decode(enc, keys, layer, head, first, count, out, offset, type, stride);
+    encode_decode(enc, ps, keys, layer, head, first, count, out, offset, type, stride);
     enc->endEncoding();
     commit(cb);
   }
@@ -346,6 +349,7 @@ class QuantizedKVCache<Choice, metal> {
     check_usable();
     detail::check<invalid_argument_error>(n >= 0, "truncate: n = " + std::to_string(n) + " is negative");
     detail::metal_pool pool;
+    MTL::ComputePipelineState* ps = key_.tiles ? decode_pipeline(true) : nullptr;
     MTL::CommandBuffer* cb = nullptr;
     MTL::ComputeCommandEncoder* enc = nullptr;
     std::vector<detail::metal_state> next = state_;
@@ -359,8 +363,8 @@ class QuantizedKVCache<Choice, metal> {
         // The cut tile's kept tokens go back to the f16 residual rows [0, untile_count).
         std::size_t const res = key_.region.head0 + static_cast<std::size_t>(h) * key_.region.head_stride +
                                 key_.region.residual_offset;
-        encode_decode(enc, true, l, h, p.untile_first, p.untile_count, buffers_[static_cast<std::size_t>(l)].get(),
-                      res, kvq_metal_elem_f16, shape_.head_dim);
+        encode_decode(enc, ps, true, l, h, p.untile_first, p.untile_count,
+                      buffers_[static_cast<std::size_t>(l)].get(), res, kvq_metal_elem_f16, shape_.head_dim);
       }
       next[static_cast<std::size_t>(l)] = p.next;
     }
@@ -576,9 +580,15 @@ class QuantizedKVCache<Choice, metal> {
     return b;
   }
 
-  void dispatch(MTL::ComputeCommandEncoder* enc, detail::metal_kernel kernel, int codec, int second_codec,
-                std::uint32_t grid_x, std::uint32_t grid_y) {
-    MTL::ComputePipelineState* ps = library_->pipeline(kernel, codec, second_codec);
+  /// The decode pipeline of the keys or the values (fetched before any encoder is opened, so
+  /// that a failure to make it leaves no encoder open).
+  auto decode_pipeline(bool keys) -> MTL::ComputePipelineState* {
+    return library_->pipeline(detail::metal_kernel::decode, keys ? key_.codec : value_.codec, 0);
+  }
+
+  /// Encodes a grid kernel over (grid_x, grid_y) threads (the kernels bounds-check the grid).
+  static void dispatch(MTL::ComputeCommandEncoder* enc, MTL::ComputePipelineState* ps, std::uint32_t grid_x,
+                       std::uint32_t grid_y) {
     enc->setComputePipelineState(ps);
     NS::UInteger const w = std::max<NS::UInteger>(ps->threadExecutionWidth(), 1);
     NS::UInteger const hgt = std::max<NS::UInteger>(1, std::min<NS::UInteger>(ps->maxTotalThreadsPerThreadgroup() / w, 4));
@@ -589,6 +599,9 @@ class QuantizedKVCache<Choice, metal> {
                      MTL::Buffer* vb, std::size_t voff, kvq_metal_source vs) {
     auto& st = state_[static_cast<std::size_t>(layer)];
     auto const plan = detail::plan_metal_append(key_, value_, shape_.head_dim, shape_.kv_heads, st, n, ks, vs);
+    MTL::ComputePipelineState* ps[4] = {};
+    for (int i = 0; i < plan.count; ++i)
+      ps[i] = library_->pipeline(plan.steps[i].kernel, plan.steps[i].values ? value_.codec : key_.codec, 0);
     auto* cb = queue_->commandBuffer();
     auto* enc = cb->computeCommandEncoder();  // serial dispatch: each step sees the previous one's writes
     for (int i = 0; i < plan.count; ++i) {
@@ -596,15 +609,16 @@ class QuantizedKVCache<Choice, metal> {
       enc->setBytes(&s.args, sizeof s.args, 0);
       enc->setBuffer(buffers_[static_cast<std::size_t>(layer)].get(), 0, 1);
       enc->setBuffer(s.values ? vb : kb, s.values ? voff : koff, 2);
-      dispatch(enc, s.kernel, s.values ? value_.codec : key_.codec, 0, s.grid_x, s.grid_y);
+      dispatch(enc, ps[i], s.grid_x, s.grid_y);
     }
     enc->endEncoding();
     commit(cb);
     st = plan.next;
   }
 
-  void encode_decode(MTL::ComputeCommandEncoder* enc, bool keys, int layer, int head, std::int64_t first,
-                     std::int64_t count, MTL::Buffer* out, std::size_t offset, int type, std::int64_t stride) {
+  void encode_decode(MTL::ComputeCommandEncoder* enc, MTL::ComputePipelineState* ps, bool keys, int layer, int head,
+                     std::int64_t first, std::int64_t count, MTL::Buffer* out, std::size_t offset, int type,
+                     std::int64_t stride) {
     auto const& st = state_[static_cast<std::size_t>(layer)];
     kvq_metal_decode_args a{};
     a.src = keys ? detail::metal_key_region(key_, st) : detail::metal_value_region(value_, st);
@@ -617,8 +631,7 @@ class QuantizedKVCache<Choice, metal> {
     enc->setBytes(&a, sizeof a, 0);
     enc->setBuffer(buffers_[static_cast<std::size_t>(layer)].get(), 0, 1);
     enc->setBuffer(out, offset, 2);
-    dispatch(enc, detail::metal_kernel::decode, keys ? key_.codec : value_.codec, 0,
-             static_cast<std::uint32_t>(shape_.head_dim), static_cast<std::uint32_t>(count));
+    dispatch(enc, ps, static_cast<std::uint32_t>(shape_.head_dim), static_cast<std::uint32_t>(count));
   }
 
   template <element T>
@@ -635,9 +648,10 @@ class QuantizedKVCache<Choice, metal> {
     detail::metal_ref<MTL::Buffer> b(
         library_->device()->newBuffer(static_cast<std::size_t>(count) * row, MTL::ResourceStorageModeShared));
     detail::check<error>(static_cast<bool>(b), "read: allocating a staging buffer failed");
+    MTL::ComputePipelineState* ps = decode_pipeline(keys);
     auto* cb = queue_->commandBuffer();
     auto* enc = cb->computeCommandEncoder();
-    encode_decode(enc, keys, layer, head, first, count, b.get(), 0, detail::metal_elem_id<T>(), d);
+    encode_decode(enc, ps, keys, layer, head, first, count, b.get(), 0, detail::metal_elem_id<T>(), d);
     enc->endEncoding();
     commit(cb);
     wait();
@@ -654,6 +668,7 @@ class QuantizedKVCache<Choice, metal> {
     int const d = shape_.head_dim;
     float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
     MTL::ComputePipelineState* ps = library_->pipeline(detail::metal_kernel::attention_partial, key_.codec, value_.codec);
+    MTL::ComputePipelineState* combine = library_->pipeline(detail::metal_kernel::attention_combine, 0, 0);
     NS::UInteger const w = std::max<NS::UInteger>(ps->threadExecutionWidth(), 1);
     NS::UInteger const threads =
         std::max<NS::UInteger>(w, std::min<NS::UInteger>(opt_.threads, ps->maxTotalThreadsPerThreadgroup()) / w * w);
@@ -696,8 +711,7 @@ class QuantizedKVCache<Choice, metal> {
       enc->setBuffer(scratch_.get(), o_max, 2);
       enc->setBuffer(scratch_.get(), o_sum, 3);
       enc->setBuffer(out, out_off, 4);
-      dispatch(enc, detail::metal_kernel::attention_combine, 0, 0, static_cast<std::uint32_t>(d),
-               static_cast<std::uint32_t>(q_heads));
+      dispatch(enc, combine, static_cast<std::uint32_t>(d), static_cast<std::uint32_t>(q_heads));
     }
     enc->endEncoding();
     commit(cb);

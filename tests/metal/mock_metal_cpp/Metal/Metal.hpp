@@ -6,8 +6,8 @@
 // It also checks what the real API would reject or what kvq promises: a library compiled with
 // fast math on, a kernel name the source does not define, a pipeline missing its function
 // constants, threadgroup memory over 32 KiB or not a multiple of 16 bytes, threadgroups that are
-// not whole SIMD-groups, buffer bindings out of bounds, encoders left open at commit, waiting on a
-// command buffer never committed. Such misuse is recorded in kvq_mock::errors().
+// not whole SIMD-groups, buffer bindings out of bounds, encoders left open at commit or when the
+// command buffer is released, waiting on a command buffer never committed. Such misuse is recorded in kvq_mock::errors().
 // kvq_mock::fail_next_commit() makes the next command buffer end in an error, as a GPU fault would.
 //
 // This proves nothing about Apple's real API beyond these names and signatures.
@@ -228,8 +228,14 @@ class CommandBuffer : public NS::Referencing<CommandBuffer> {
   CommandBufferStatus status() const { return status_; }
   NS::Error* error() const { return status_ == CommandBufferStatusError ? NS::Error::make("mock GPU fault") : nullptr; }
   ~CommandBuffer() override {
-    for (auto* e : compute_) e->release();
-    for (auto* e : blit_) e->release();
+    for (auto* e : compute_) {
+      if (e->open()) kvq_mock::misuse("command buffer released with a compute encoder not ended");
+      e->release();
+    }
+    for (auto* e : blit_) {
+      if (e->open()) kvq_mock::misuse("command buffer released with a blit encoder not ended");
+      e->release();
+    }
   }
 
  private:
