@@ -1,4 +1,5 @@
 // The README's usage example, compiled and run: a Llama-3-8B-shaped cache, append, attend, facade.
+#include <kvq/error.hpp>  // first on purpose: the headers work in any include order
 #include <kvq/kvq.hpp>
 
 #include <cmath>

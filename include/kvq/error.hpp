@@ -6,6 +6,8 @@
 // by code built for another.
 #pragma once
 
+#include "detail/config.h"  // first, so kvq::detail below is the ISA namespace's detail
+
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
