@@ -9,6 +9,7 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/backend/cpu/kernels.hpp
     include/kvq/backend/cpu/scalar.hpp
     include/kvq/backend/cpu/simd_codecs.hpp
+    include/kvq/backend/cpu/attention_kernels.hpp
     include/kvq/backend/cpu/avx2.hpp
     include/kvq/backend/cpu/avx512.hpp
     include/kvq/backend/cpu/neon.hpp
@@ -31,4 +32,6 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/backend/metal/kvq_metal_args.h
     include/kvq/backend/metal/kernels_metal_src.hpp
     include/kvq/backend/metal/metal_cache.hpp
+    include/kvq/backend/cuda/cuda_device.h
+    include/kvq/backend/cuda/cuda_cache_core.hpp
 )

@@ -26,7 +26,9 @@
 #include <thread>
 #include <vector>
 
+#include "backend/cpu/attention_kernels.hpp"
 #include "cache.hpp"
+#include "codec/int8.hpp"
 #include "codec/q4_0.hpp"
 #include "codec/q8_0.hpp"
 
@@ -46,9 +48,9 @@ enum class probability_precision {
 
 /// Options of decode attention.
 struct attention_options {
-  float scale = 0.0f;          ///< softmax scale; 0 means 1/sqrt(head_dim)
-  std::int64_t window = 0;     ///< > 0: attend only to the last `window` tokens of the layer
-  float softcap = 0.0f;        ///< > 0: logit = softcap · tanh(logit / softcap), after scaling
+  float scale = 0.0f;       ///< softmax scale; 0 means 1/sqrt(head_dim)
+  std::int64_t window = 0;  ///< > 0: attend only to the last `window` tokens of the layer
+  float softcap = 0.0f;     ///< > 0: logit = softcap · tanh(logit / softcap), after scaling
   query_precision query = query_precision::f32;
   probability_precision probabilities = probability_precision::f32;
 };
@@ -101,42 +103,97 @@ inline auto dot_block(block_q4_0 const& k, block_q8_0 const& q) -> float {
 /// Dot product of a q8_0/q4_0 key row with a q8_0-quantized query row: the block products summed
 /// in block order from 0.
 template <class KeyCodec, class Block>
-inline auto dot_row(std::uint8_t const* key_row, std::vector<block_q8_0> const& q_blocks) -> float {
+inline auto dot_row(std::uint8_t const* key_row, block_q8_0 const* q_blocks, int nblocks) -> float {
   float sum = 0.0f;
-  for (std::size_t b = 0; b < q_blocks.size(); ++b) {
+  for (int b = 0; b < nblocks; ++b) {
     Block k;
-    std::memcpy(&k, key_row + b * sizeof(Block), sizeof(Block));
+    std::memcpy(&k, key_row + static_cast<std::size_t>(b) * sizeof(Block), sizeof(Block));
     sum = add_rn(sum, dot_block(k, q_blocks[b]));
   }
   return sum;
 }
 
+/// Dot product of an int8 key row (fp32 scale s, head_dim codes) with a q8_0-quantized query:
+/// (sum over blocks b, in order from 0, of sumi_b * dq_b) * s, sumi_b the exact integer dot of
+/// block b's codes (the last block holding head_dim - 32 b of them).
+inline auto dot_row_int8(std::uint8_t const* key_row, int head_dim, block_q8_0 const* q_blocks, int nblocks) -> float {
+  float scale;
+  std::memcpy(&scale, key_row, 4);
+  auto const* codes = reinterpret_cast<std::int8_t const*>(key_row + int8_row_header_bytes);
+  float sum = 0.0f;
+  for (int b = 0; b < nblocks; ++b) {
+    int sumi = 0;
+    for (int j = 0; j < 32 && 32 * b + j < head_dim; ++j)
+      sumi += static_cast<int>(codes[32 * b + j]) * static_cast<int>(q_blocks[b].qs[j]);
+    sum = add_rn(sum, mul_rn(static_cast<float>(sumi), f16_bits_to_f32(q_blocks[b].d)));
+  }
+  return mul_rn(sum, scale);
+}
+
+/// True for key codecs that use integer dot products with a q8_0 query.
 template <class KeyCodec>
-inline constexpr bool integer_key_dot = std::is_same_v<KeyCodec, q8_0> || std::is_same_v<KeyCodec, q4_0>;
+inline constexpr bool integer_key_dot =
+    std::is_same_v<KeyCodec, q8_0> || std::is_same_v<KeyCodec, q4_0> || std::is_same_v<KeyCodec, int8_sym>;
+
+/// The q8_0 query dot of one key row of an integer-dot codec.
+template <class KeyCodec>
+inline auto integer_dot_row(std::uint8_t const* row, int head_dim, block_q8_0 const* q_blocks, int nblocks) -> float {
+  if constexpr (std::is_same_v<KeyCodec, q8_0>)
+    return dot_row<KeyCodec, block_q8_0>(row, q_blocks, nblocks);
+  else if constexpr (std::is_same_v<KeyCodec, q4_0>)
+    return dot_row<KeyCodec, block_q4_0>(row, q_blocks, nblocks);
+  else
+    return dot_row_int8(row, head_dim, q_blocks, nblocks);
+}
+
+/// Kernel tag: the scalar reference below (always compiled).
+struct reference_attention {};
+
+#if defined(KVQ_CPU_HAS_AVX512) || defined(KVQ_CPU_HAS_AVX2) || defined(KVQ_CPU_HAS_NEON)
+/// The kernel attend_range uses: the best SIMD one compiled in.
+using default_attention = cpu_kernels::attention_kernel;
+#else
+/// The kernel attend_range uses: the scalar reference (no SIMD in this translation unit).
+using default_attention = reference_attention;
+#endif
+
+/// The attention kernel's view of a storage_view.
+inline auto token_source_of(storage_view const& v) -> cpu_kernels::token_source {
+  cpu_kernels::token_source s;
+  s.units = reinterpret_cast<std::uint8_t const*>(v.units);
+  s.unit_bytes = v.unit_bytes;
+  s.quantized = v.quantized_tokens;
+  s.residual = reinterpret_cast<std::uint16_t const*>(v.residual);
+  s.residual_capacity = std::max<std::int64_t>(v.residual_capacity, 1);
+  s.residual_first = v.residual_first;
+  return s;
+}
 
 }  // namespace detail
 
-/// Attends the query heads `q` (q_heads, head_dim) of `layer` to tokens [begin, end) of `cache`,
-/// returning the partial state. Raises index_error / shape_error on bad arguments.
-template <class Cache>
-auto attend_range(Cache const& cache, int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
-                  attention_options const& opt = {}) -> attention_partial {
+namespace detail {
+
+/// attend_range with the kernel `Kernel`: reference_attention, or a cpu_kernels::<isa>::attention_kernel
+/// (tests compare every ISA compiled in against the reference through this entry).
+template <class Kernel, class Cache>
+auto attend_range_with(Cache const& cache, int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
+                       attention_options const& opt) -> attention_partial {
   using key_codec = typename Cache::key_codec;
+  using value_codec = typename Cache::value_codec;
   auto const& shape = cache.shape();
   std::int64_t const len = cache.size(layer);
   int const d = shape.head_dim;
   int const kv = shape.kv_heads;
-  detail::check<shape_error>(q_heads > 0 && q_heads % kv == 0,
-                             "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
-                                 std::to_string(kv) + " kv heads");
-  detail::check<shape_error>(q != nullptr, "attention: the query is null");
-  detail::check<index_error>(begin >= 0 && begin <= end && end <= len,
-                             "attention: range [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                 ") is outside the " + std::to_string(len) + " tokens of layer " +
-                                 std::to_string(layer));
-  detail::check<invalid_argument_error>(std::isfinite(opt.scale) && opt.scale >= 0.0f && std::isfinite(opt.softcap) &&
-                                            opt.softcap >= 0.0f && opt.window >= 0,
-                                        "attention: scale, softcap and window must be finite and non-negative");
+  check<shape_error>(q_heads > 0 && q_heads % kv == 0, "attention: " + std::to_string(q_heads) +
+                                                           " query heads is not a positive multiple of " +
+                                                           std::to_string(kv) + " kv heads");
+  check<shape_error>(q != nullptr, "attention: the query is null");
+  check<index_error>(begin >= 0 && begin <= end && end <= len,
+                     "attention: range [" + std::to_string(begin) + ", " + std::to_string(end) + ") is outside the " +
+                         std::to_string(len) + " tokens of layer " + std::to_string(layer));
+  check<invalid_argument_error>(std::isfinite(opt.scale) && opt.scale >= 0.0f && std::isfinite(opt.softcap) &&
+                                    opt.softcap >= 0.0f && opt.window >= 0,
+                                "attention: scale, softcap and window must be finite and non-negative");
   if (opt.window > 0) begin = std::max(begin, len - opt.window);
   end = std::max(begin, end);
 
@@ -145,22 +202,41 @@ auto attend_range(Cache const& cache, int layer, float const* q, int q_heads, st
   auto part = attention_partial::empty(q_heads, d);
 
   // The query as used in the products: f32, or rounded to q8_0 (kept as blocks for integer dots).
-  std::vector<float> qf(q, q + static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(d));
-  std::size_t const q_nblocks = static_cast<std::size_t>(q8_0::geometry(d).blocks);
-  std::vector<std::vector<detail::block_q8_0>> qb;
+  std::size_t const hd = static_cast<std::size_t>(d);
+  std::vector<float> qf(q, q + static_cast<std::size_t>(q_heads) * hd);
+  int const q_nblocks = q8_0::geometry(d).blocks;
+  std::vector<block_q8_0> qb;
   if (opt.query == query_precision::q8_0) {
-    qb.resize(static_cast<std::size_t>(q_heads));
+    qb.resize(static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(q_nblocks));
     for (int h = 0; h < q_heads; ++h) {
-      auto& blocks = qb[static_cast<std::size_t>(h)];
-      blocks.resize(q_nblocks);
-      q8_0::encode_row(q + static_cast<std::size_t>(h) * static_cast<std::size_t>(d), d,
-                       reinterpret_cast<std::uint8_t*>(blocks.data()));
-      q8_0::decode_row(reinterpret_cast<std::uint8_t const*>(blocks.data()), d,
-                       qf.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(d));
+      auto* blocks = reinterpret_cast<std::uint8_t*>(qb.data() + static_cast<std::size_t>(h) * q_nblocks);
+      q8_0::encode_row(q + static_cast<std::size_t>(h) * hd, d, blocks);
+      q8_0::decode_row(blocks, d, qf.data() + static_cast<std::size_t>(h) * hd);
     }
   }
+  bool const integer_keys = integer_key_dot<key_codec> && opt.query == query_precision::q8_0;
 
-  std::vector<float> ktile(static_cast<std::size_t>(attention_tile) * static_cast<std::size_t>(d));
+  if constexpr (!std::is_same_v<Kernel, reference_attention>) {
+    cpu_kernels::attention_call call;
+    call.head_dim = d;
+    call.group = group;
+    call.scale = scale;
+    call.softcap = opt.softcap;
+    call.f16_probabilities = opt.probabilities == probability_precision::f16;
+    cpu_kernels::attention_scratch scratch;
+    scratch.reserve(d, group);
+    for (int kh = 0; kh < kv; ++kh) {
+      std::size_t const h0 = static_cast<std::size_t>(kh) * static_cast<std::size_t>(group);
+      cpu_kernels::attention_state state{part.out.data() + h0 * hd, part.max.data() + h0, part.sum.data() + h0};
+      Kernel::template attend<key_codec, value_codec>(
+          token_source_of(cache.key_storage(layer, kh)), cache.get_options().key,
+          token_source_of(cache.value_storage(layer, kh)), cache.get_options().value, call, qf.data() + h0 * hd,
+          integer_keys ? qb.data() + h0 * static_cast<std::size_t>(q_nblocks) : nullptr, begin, end, state, scratch);
+    }
+    return part;
+  }
+
+  std::vector<float> ktile(static_cast<std::size_t>(attention_tile) * hd);
   std::vector<float> vtile(ktile.size());
   std::vector<float> logits(static_cast<std::size_t>(attention_tile));
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
@@ -173,19 +249,17 @@ auto attend_range(Cache const& cache, int layer, float const* q, int q_heads, st
       cache.decode_values_unchecked(layer, kh, t0, n, vtile.data(), d);
       for (int g = 0; g < group; ++g) {
         int const h = kh * group + g;
-        float const* qh = qf.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(d);
+        float const* qh = qf.data() + static_cast<std::size_t>(h) * hd;
         for (int i = 0; i < n; ++i) {
           float dot = 0.0f;
-          if constexpr (detail::integer_key_dot<key_codec>) {
-            if (opt.query == query_precision::q8_0) {
-              using block = std::conditional_t<std::is_same_v<key_codec, q8_0>, detail::block_q8_0, detail::block_q4_0>;
+          if (integer_keys) {
+            if constexpr (integer_key_dot<key_codec>) {
               auto const* row = reinterpret_cast<std::uint8_t const*>(kview.units) +
                                 static_cast<std::size_t>(t0 + i) * kview.unit_bytes;
-              dot = detail::dot_row<key_codec, block>(row, qb[static_cast<std::size_t>(h)]);
+              dot = integer_dot_row<key_codec>(row, d, qb.data() + static_cast<std::size_t>(h) * q_nblocks, q_nblocks);
             }
-          }
-          if (!(detail::integer_key_dot<key_codec> && opt.query == query_precision::q8_0)) {
-            float const* k = ktile.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(d);
+          } else {
+            float const* k = ktile.data() + static_cast<std::size_t>(i) * hd;
             for (int c = 0; c < d; ++c) dot += qh[c] * k[c];
           }
           float s = dot * scale;
@@ -194,7 +268,7 @@ auto attend_range(Cache const& cache, int layer, float const* q, int q_heads, st
         }
         float& m = part.max[static_cast<std::size_t>(h)];
         float& sum = part.sum[static_cast<std::size_t>(h)];
-        float* o = part.out.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(d);
+        float* o = part.out.data() + static_cast<std::size_t>(h) * hd;
         for (int i = 0; i < n; ++i) {
           float const s = logits[static_cast<std::size_t>(i)];
           if (s == neg_inf) continue;  // weight 0
@@ -207,13 +281,25 @@ auto attend_range(Cache const& cache, int layer, float const* q, int q_heads, st
           float const p = std::exp(s - m);  // NaN for NaN or +Inf logits, which then propagates
           float const pv = opt.probabilities == probability_precision::f16 ? to_f32(to_f16(p)) : p;
           sum += p;
-          float const* v = vtile.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(d);
+          float const* v = vtile.data() + static_cast<std::size_t>(i) * hd;
           for (int c = 0; c < d; ++c) o[c] += pv * v[c];
         }
       }
     }
   }
   return part;
+}
+
+}  // namespace detail
+
+/// Attends the query heads `q` (q_heads, head_dim) of `layer` to tokens [begin, end) of `cache`,
+/// returning the partial state. Raises index_error / shape_error on bad arguments. Runs the best
+/// SIMD kernel compiled in (backend/cpu/attention_kernels.hpp), else the scalar reference; the two
+/// agree within fp32 rounding, and with a q8_0 query the q8_0 / q4_0 / int8 key logits are equal.
+template <class Cache>
+auto attend_range(Cache const& cache, int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
+                  attention_options const& opt = {}) -> attention_partial {
+  return detail::attend_range_with<detail::default_attention>(cache, layer, q, q_heads, begin, end, opt);
 }
 
 /// Merges the partial state `b` into `a` (same heads and head_dim, disjoint token ranges).
@@ -263,8 +349,8 @@ template <class Cache>
 void decode_attention_parallel(Cache const& cache, int layer, float const* q, int q_heads, float* out, int threads,
                                attention_options const& opt = {}) {
   std::int64_t const len = cache.size(layer);
-  detail::check<invalid_argument_error>(threads >= 1, "attention: threads = " + std::to_string(threads) +
-                                                          " must be >= 1");
+  detail::check<invalid_argument_error>(threads >= 1,
+                                        "attention: threads = " + std::to_string(threads) + " must be >= 1");
   std::int64_t const begin = opt.window > 0 ? std::max<std::int64_t>(0, len - opt.window) : 0;
   std::int64_t const span = len - begin;
   int const parts = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, span / attention_tile)));

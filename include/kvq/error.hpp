@@ -52,6 +52,13 @@ class unsupported_error : public error {
   using error::error;
 };
 
+/// A GPU runtime call failed (allocation, launch, or a device fault surfacing at synchronisation);
+/// the message names the call, and the cache it happened on is unusable from then on.
+class device_error : public error {
+ public:
+  using error::error;
+};
+
 namespace detail {
 
 /// Throws `E(message)`, or prints the message and aborts when exceptions are disabled.

@@ -17,6 +17,7 @@
 #  include <cstring>
 #  include <string_view>
 
+#  include "attention_kernels.hpp"
 #  include "simd_codecs.hpp"
 
 #  define KVQ_CPU_HAS_AVX2 1
@@ -188,9 +189,60 @@ struct ops {
     __m256i const idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
     return _mm256_i32gather_epi32(reinterpret_cast<int const*>(base), idx, 1);
   }
+
+  // Attention (attention_kernels.hpp): compared with the reference within a tolerance, so
+  // contraction is allowed here.
+  static vf fma(vf a, vf b, vf c) noexcept { return _mm256_fmadd_ps(a, b, c); }
+  static vf mul_c(vf a, vf b) noexcept { return _mm256_mul_ps(a, b); }
+  static float reduce_add(vf v) noexcept {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  /// Lane i = the sum of the lanes of v[i] (horizontal-add tree).
+  static vf reduce_lanes(vf const* v) noexcept {
+    vf const t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    vf const t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    vf const u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+  /// f16 bits to float with F16C (NaN payloads are not preserved exactly).
+  static float f16_scalar_hw(std::uint16_t h) noexcept { return _cvtsh_ss(h); }
+  /// Each lane rounded to f16 and back (RNE).
+  static vf round_f16(vf v) noexcept {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  /// Exact sum of a[j] * b[j] over 32 signed bytes (products widened to 16 bits, pairs to 32).
+  static std::int32_t dot_s8x32(std::int8_t const* a, std::int8_t const* b) noexcept {
+    __m256i const va = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(a));
+    __m256i const vb = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(b));
+    __m256i const lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(va)),
+                                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(vb)));
+    __m256i const hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(va, 1)),
+                                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(vb, 1)));
+    __m256i const acc = _mm256_add_epi32(lo, hi);
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+  }
+  /// Exact sum of (nibble - 8) * q[j] over the 32 q4_0 codes of 16 packed bytes (tmp: 32 bytes of
+  /// scratch).
+  static std::int32_t dot_q4x32(std::uint8_t const* nibbles, std::int8_t const* q, std::int8_t* tmp) noexcept {
+    unpack_q4(nibbles, tmp);
+    return dot_s8x32(tmp, q);
+  }
+  /// The 32 q4_0 codes (nibble - 8) of 16 packed bytes: low nibbles first, then high nibbles.
+  static void unpack_q4(std::uint8_t const* nibbles, std::int8_t* out) noexcept {
+    __m128i const b = _mm_loadu_si128(reinterpret_cast<__m128i const*>(nibbles));
+    __m128i const m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi8(_mm_and_si128(b, m), eight));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m), eight));
+  }
 };
 
 KVQ_CPU_DEFINE_ENTRY_POINTS(ops)
+KVQ_CPU_DEFINE_ATTENTION(ops)
 
 }  // namespace cpu_kernels::avx2
 KVQ_NAMESPACE_END

@@ -19,6 +19,7 @@
 #  include <cstring>
 #  include <string_view>
 
+#  include "attention_kernels.hpp"
 #  include "simd_codecs.hpp"
 
 #  define KVQ_CPU_HAS_AVX512 1
@@ -196,6 +197,89 @@ struct ops {
                                            _mm512_set1_epi32(stride));
     return _mm512_i32gather_epi32(idx, base, 1);
   }
+
+  // Attention (attention_kernels.hpp): compared with the reference within a tolerance, so
+  // contraction is allowed here.
+  static vf fma(vf a, vf b, vf c) noexcept { return _mm512_fmadd_ps(a, b, c); }
+  static vf mul_c(vf a, vf b) noexcept { return _mm512_mul_ps(a, b); }
+  static float reduce_add(vf v) noexcept {
+    __m256 const h =
+        _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  /// Lane i = the sum of the lanes of v[i] (a transpose-and-add tree: 45 instructions for 16 sums).
+  static vf reduce_lanes(vf const* v) noexcept {
+    vf t[8], u[4];
+    for (int i = 0; i < 8; ++i)
+      t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+      u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xee));
+    vf const w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xee));
+    vf const w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
+  }
+  /// f16 bits to float with F16C (NaN payloads are not preserved exactly).
+  static float f16_scalar_hw(std::uint16_t h) noexcept { return _cvtsh_ss(h); }
+  /// Each lane rounded to f16 and back (RNE).
+  static vf round_f16(vf v) noexcept {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  /// Exact sum of a[j] * b[j] over 32 signed bytes.
+  static std::int32_t dot_s8x32(std::int8_t const* a, std::int8_t const* b) noexcept {
+    __m256i const va = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(a));
+    __m256i const vb = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(b));
+#  if defined(__AVX512VNNI__)
+    // (a + 128) as unsigned times b, less 128 * sum(b): VPDPBUSD adds four u8 x s8 products per lane
+    // into 32 bits without saturation, so the result is exact for every byte value.
+    __m256i const zero = _mm256_setzero_si256();
+    __m256i const biased = _mm256_dpbusd_epi32(zero, _mm256_xor_si256(va, _mm256_set1_epi8(-128)), vb);
+    __m256i const sum_b = _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(1), vb);
+    __m256i const acc = _mm256_sub_epi32(biased, _mm256_slli_epi32(sum_b, 7));
+#  else
+    __m256i const lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(va)),
+                                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(vb)));
+    __m256i const hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(va, 1)),
+                                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(vb, 1)));
+    __m256i const acc = _mm256_add_epi32(lo, hi);
+#  endif
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+  }
+  /// Exact sum of (nibble - 8) * q[j] over the 32 q4_0 codes of 16 packed bytes (tmp: 32 bytes of
+  /// scratch where the ISA needs them).
+  static std::int32_t dot_q4x32(std::uint8_t const* nibbles, std::int8_t const* q, std::int8_t* tmp) noexcept {
+#  if defined(__AVX512VNNI__)
+    (void)tmp;
+    // The nibbles are unsigned bytes: sum(n * q) - 8 * sum(q), both by VPDPBUSD.
+    __m128i const b = _mm_loadu_si128(reinterpret_cast<__m128i const*>(nibbles));
+    __m128i const m = _mm_set1_epi8(15);
+    __m256i const n =
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m)), _mm_and_si128(_mm_srli_epi16(b, 4), m), 1);
+    __m256i const vq = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(q));
+    __m256i const zero = _mm256_setzero_si256();
+    __m256i const acc = _mm256_sub_epi32(_mm256_dpbusd_epi32(zero, n, vq),
+                                         _mm256_slli_epi32(_mm256_dpbusd_epi32(zero, _mm256_set1_epi8(1), vq), 3));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+#  else
+    unpack_q4(nibbles, tmp);
+    return dot_s8x32(tmp, q);
+#  endif
+  }
+  /// The 32 q4_0 codes (nibble - 8) of 16 packed bytes: low nibbles first, then high nibbles.
+  static void unpack_q4(std::uint8_t const* nibbles, std::int8_t* out) noexcept {
+    __m128i const b = _mm_loadu_si128(reinterpret_cast<__m128i const*>(nibbles));
+    __m128i const m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi8(_mm_and_si128(b, m), eight));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m), eight));
+  }
 };
 
 #  if defined(__GNUC__) && !defined(__clang__)
@@ -203,6 +287,7 @@ struct ops {
 #  endif
 
 KVQ_CPU_DEFINE_ENTRY_POINTS(ops)
+KVQ_CPU_DEFINE_ATTENTION(ops)
 
 }  // namespace cpu_kernels::avx512
 KVQ_NAMESPACE_END

@@ -47,6 +47,16 @@ namespace best = neon;
 namespace best = scalar;
 #endif
 
+#if defined(KVQ_CPU_HAS_AVX512) || defined(KVQ_CPU_HAS_AVX2) || defined(KVQ_CPU_HAS_NEON)
+/// The decode-attention kernel of the best instruction set (attention_kernels.hpp).
+using attention_kernel = best::attention_kernel;
+/// True when this translation unit has a SIMD attention kernel (otherwise attention.hpp runs its
+/// scalar reference).
+inline constexpr bool has_simd_attention = true;
+#else
+inline constexpr bool has_simd_attention = false;
+#endif
+
 /// The CPU kernel level compiled into this translation unit: "avx512_vnni", "avx512", "avx2",
 /// "neon" or "scalar".
 inline constexpr std::string_view simd_level() noexcept {

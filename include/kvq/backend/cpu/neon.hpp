@@ -17,6 +17,7 @@
 #  include <cstring>
 #  include <string_view>
 
+#  include "attention_kernels.hpp"
 #  include "simd_codecs.hpp"
 
 #  define KVQ_CPU_HAS_NEON 1
@@ -171,9 +172,47 @@ struct ops {
     for (int l = 0; l < 4; ++l) std::memcpy(&w[l], base + l * stride, 4);
     return vld1q_s32(w);
   }
+
+  // Attention (attention_kernels.hpp): compared with the reference within a tolerance, so
+  // contraction is allowed here.
+  static vf fma(vf a, vf b, vf c) noexcept { return vfmaq_f32(c, a, b); }
+  static vf mul_c(vf a, vf b) noexcept { return vmulq_f32(a, b); }
+  static float reduce_add(vf v) noexcept { return vaddvq_f32(v); }
+  /// Lane i = the sum of the lanes of v[i] (pairwise adds).
+  static vf reduce_lanes(vf const* v) noexcept { return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3])); }
+  /// f16 bits to float (FCVT; NaN payloads are not preserved exactly).
+  static float f16_scalar_hw(std::uint16_t h) noexcept {
+    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
+  }
+  /// Each lane rounded to f16 and back (RNE).
+  static vf round_f16(vf v) noexcept { return vcvt_f32_f16(vcvt_f16_f32(v)); }
+  /// Exact sum of a[j] * b[j] over 32 signed bytes (16-bit products, pairwise-added into 32 bits).
+  static std::int32_t dot_s8x32(std::int8_t const* a, std::int8_t const* b) noexcept {
+    int32x4_t acc = vdupq_n_s32(0);
+    for (int h = 0; h < 32; h += 16) {
+      int8x16_t const va = vld1q_s8(a + h), vb = vld1q_s8(b + h);
+      acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(va), vget_low_s8(vb)));
+      acc = vpadalq_s16(acc, vmull_high_s8(va, vb));
+    }
+    return vaddvq_s32(acc);
+  }
+  /// Exact sum of (nibble - 8) * q[j] over the 32 q4_0 codes of 16 packed bytes (tmp: 32 bytes of
+  /// scratch).
+  static std::int32_t dot_q4x32(std::uint8_t const* nibbles, std::int8_t const* q, std::int8_t* tmp) noexcept {
+    unpack_q4(nibbles, tmp);
+    return dot_s8x32(tmp, q);
+  }
+  /// The 32 q4_0 codes (nibble - 8) of 16 packed bytes: low nibbles first, then high nibbles.
+  static void unpack_q4(std::uint8_t const* nibbles, std::int8_t* out) noexcept {
+    uint8x16_t const b = vld1q_u8(nibbles);
+    int8x16_t const eight = vdupq_n_s8(8);
+    vst1q_s8(out, vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15))), eight));
+    vst1q_s8(out + 16, vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), eight));
+  }
 };
 
 KVQ_CPU_DEFINE_ENTRY_POINTS(ops)
+KVQ_CPU_DEFINE_ATTENTION(ops)
 
 }  // namespace cpu_kernels::neon
 KVQ_NAMESPACE_END

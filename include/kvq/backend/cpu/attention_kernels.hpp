@@ -1,0 +1,774 @@
+// kvq: the CPU decode-attention kernel, written once over a vector-operations policy `V` (one per
+// ISA: avx2.hpp, avx512.hpp, neon.hpp), used by attention.hpp.
+//
+// One call attends the `group` query heads that share one kv head to a token range, updating their
+// online-softmax state (unnormalised output, running max, running sum):
+//   * the range is walked in tiles of `tile` tokens aligned to multiples of `tile`; every key and
+//     value byte of a tile is read once and used by every query head of the group;
+//   * keys: row codecs are decoded into an L1-resident f32 tile (the f32 cache is read in place) and
+//     dotted with each head; KIVI keys skip decoding: with channel-major codes, the logits of a tile
+//     are sum_c (q[c] * scale_c) * code[c][t] + sum_c q[c] * min_c, so the query is scaled per
+//     channel once per tile and multiplied straight into the codes;
+//   * with a q8_0 query, q8_0 / q4_0 / int8 keys use exact integer block dot products (VNNI where
+//     the flags allow), combined in the reference's order, so those logits equal the scalar
+//     reference bit for bit;
+//   * softmax is updated once per tile per head (vector exp); values are decoded into an f32 tile
+//     and accumulated with FMAs; everything accumulates in fp32.
+// Results match attention.hpp's scalar reference within fp32 rounding (FMA contraction, a
+// polynomial exp with ~2 ulp error, another summation order); a tile whose logits hold a NaN or +Inf
+// takes the reference's per-token path so the NaN/Inf semantics are the reference's.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "../../codec/fp8.hpp"
+#include "../../codec/int8.hpp"
+#include "../../codec/kivi.hpp"
+#include "../../codec/passthrough.hpp"
+#include "../../codec/q4_0.hpp"
+#include "../../codec/q8_0.hpp"
+#include "../../detail/block_layouts.h"
+#include "simd_codecs.hpp"
+
+KVQ_NAMESPACE_BEGIN
+namespace cpu_kernels {
+
+/// Where the tokens of one (layer, kv head) live, as the attention kernel reads them: token t <
+/// `quantized` is in `units` (row t, or tile t / G for KIVI keys); later tokens are f16 rows of
+/// `residual`, token t at ring slot (residual_first + t - quantized) % residual_capacity.
+struct token_source {
+  std::uint8_t const* units = nullptr;
+  std::size_t unit_bytes = 0;
+  std::int64_t quantized = 0;
+  std::uint16_t const* residual = nullptr;
+  std::int64_t residual_capacity = 1;
+  std::int64_t residual_first = 0;
+};
+
+/// One attention call's inputs that do not depend on the kv head.
+struct attention_call {
+  int head_dim = 0;
+  int group = 1;         ///< query heads per kv head
+  float scale = 1.0f;    ///< logit = scale * q.k (then softcap)
+  float softcap = 0.0f;  ///< > 0: logit = softcap * tanh(logit / softcap)
+  bool f16_probabilities = false;
+};
+
+/// Online-softmax state of the group's heads: out (group, head_dim), max (group), sum (group).
+struct attention_state {
+  float* out = nullptr;
+  float* max = nullptr;
+  float* sum = nullptr;
+};
+
+/// Tokens per tile of the attention kernel.
+inline constexpr int attention_kernel_tile = 32;
+
+/// Working memory of the attention kernel, reused across calls of one attention.
+struct attention_scratch {
+  std::vector<float> keys;            // (tile, head_dim)
+  std::vector<float> values;          // (tile, head_dim)
+  std::vector<float> logits;          // (group, tile)
+  std::vector<float> scaled;          // (4, head_dim): query scaled per KIVI channel
+  std::vector<float> probs;           // (group, tile)
+  std::vector<float> saved;           // (group, head_dim)
+  std::vector<float> special_values;  // (tile, head_dim)
+  std::vector<char> special;          // (group)
+  void reserve(int head_dim, int group) {
+    special_values.resize(static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim));
+    std::size_t const td = static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim);
+    keys.resize(td);
+    values.resize(td);
+    logits.resize(static_cast<std::size_t>(group) * attention_kernel_tile);
+    scaled.resize(4 * static_cast<std::size_t>(head_dim));
+  }
+};
+
+namespace simd {
+
+/// True for the row codecs whose keys have an exact integer dot with a q8_0 query.
+template <class C>
+inline constexpr bool integer_dot_key =
+    std::is_same_v<C, q8_0> || std::is_same_v<C, q4_0> || std::is_same_v<C, int8_sym>;
+
+/// The attention kernel over the vector policy V.
+template <class V>
+struct simd_attention {
+  using vf = typename V::vf;
+  using vi = typename V::vi;
+  using vm = typename V::vm;
+  static constexpr int W = V::W;
+  static constexpr int T = attention_kernel_tile;
+
+  // ---------------------------------------------------------------------------------------------
+  // Element helpers
+
+  /// e^x for x <= 0 (Cephes-style: x = n ln2 + r, degree-6 polynomial in r, scaled by 2^n);
+  /// lanes below -87.3 (and -Inf) give exactly 0. NaN lanes are not handled (callers exclude them).
+  static vf exp_nonpositive(vf x) noexcept {
+    vf const lo = V::set1(-87.3f);
+    vm const tiny = V::gt_f(lo, x);
+    x = V::max(x, lo);
+    vi const n = V::cvt_rne(V::mul_c(x, V::set1(1.44269504088896341f)));
+    vf const nf = V::cvt_f(n);
+    vf r = V::fma(nf, V::set1(-0.693359375f), x);
+    r = V::fma(nf, V::set1(2.12194440e-4f), r);
+    vf p = V::set1(1.9875691500e-4f);
+    p = V::fma(p, r, V::set1(1.3981999507e-3f));
+    p = V::fma(p, r, V::set1(8.3334519073e-3f));
+    p = V::fma(p, r, V::set1(4.1665795894e-2f));
+    p = V::fma(p, r, V::set1(1.6666665459e-1f));
+    p = V::fma(p, r, V::set1(5.0000001201e-1f));
+    p = V::fma(p, V::mul_c(r, r), V::add(r, V::set1(1.0f)));
+    vf const two_n = V::from_bits(V::template slli<23>(V::add_i(n, V::set1_i(127))));
+    return V::select_f(tiny, V::set1(0.0f), V::mul_c(p, two_n));
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Row loaders: W consecutive elements of a tile's token t, starting at channel c (a multiple of
+  // W), as f32 lanes — the codec's decoded values (one rounding: NaN payloads aside, bit-identical
+  // to the codec's decode). `rows[t]` points at token t's encoded row.
+
+  // Each loader also has prepare(t, c): what load(t, c', prepared) needs for channels c' in
+  // c's 32-channel block (the broadcast scales), so it is computed once per block.
+  struct no_prep {};
+  struct scale_prep {
+    vf scale;
+  };
+  struct scale8_prep {
+    vf scale, minus8;
+  };
+
+  /// f32 rows.
+  struct f32_rows {
+    float const* const* rows;
+    no_prep prepare(int, int) const noexcept { return {}; }
+    vf load(int t, int c, no_prep) const noexcept { return V::load(rows[t] + c); }
+    float at(int t, int c) const noexcept { return rows[t][c]; }
+  };
+  /// f16 rows.
+  struct f16_rows {
+    std::uint16_t const* const* rows;
+    no_prep prepare(int, int) const noexcept { return {}; }
+    vf load(int t, int c, no_prep) const noexcept { return V::f16_load_hw(rows[t] + c); }
+    float at(int t, int c) const noexcept { return V::f16_scalar_hw(rows[t][c]); }
+  };
+  /// q8_0 rows; sc[t * blocks + b] is the f32 scale of block b of token t.
+  struct q8_0_rows {
+    std::uint8_t const* const* rows;
+    float const* sc;
+    int blocks;
+    static constexpr std::size_t bb = sizeof(detail::block_q8_0);
+    scale_prep prepare(int t, int c) const noexcept { return {V::set1(sc[t * blocks + c / 32])}; }
+    vf load(int t, int c, scale_prep const& pr) const noexcept {
+      return V::mul_c(V::cvt_f(V::load_i8(rows[t] + bb * static_cast<std::size_t>(c / 32) + 2 + (c % 32))), pr.scale);
+    }
+    float at(int t, int c) const noexcept {
+      int const b = c / 32;
+      auto const code = static_cast<std::int8_t>(rows[t][bb * static_cast<std::size_t>(b) + 2 + (c % 32)]);
+      return static_cast<float>(code) * sc[t * blocks + b];
+    }
+  };
+  /// q4_0 rows; sc as for q8_0 ((n - 8) d = n d - 8 d exactly, so one FMA rounds as the codec's
+  /// product does).
+  struct q4_0_rows {
+    std::uint8_t const* const* rows;
+    float const* sc;
+    int blocks;
+    static constexpr std::size_t bb = sizeof(detail::block_q4_0);
+    scale8_prep prepare(int t, int c) const noexcept {
+      float const x = sc[t * blocks + c / 32];
+      return {V::set1(x), V::set1(-8.0f * x)};
+    }
+    vf load(int t, int c, scale8_prep const& pr) const noexcept {
+      int const j = c % 32;
+      vi const bytes = V::load_u8(rows[t] + bb * static_cast<std::size_t>(c / 32) + 2 + (j % 16));
+      vi const nib = j < 16 ? V::and_i(bytes, V::set1_i(15)) : V::template srli<4>(bytes);
+      return V::fma(V::cvt_f(nib), pr.scale, pr.minus8);
+    }
+    float at(int t, int c) const noexcept {
+      int const b = c / 32, j = c % 32;
+      std::uint8_t const byte = rows[t][bb * static_cast<std::size_t>(b) + 2 + (j % 16)];
+      int const nib = j < 16 ? (byte & 15) : (byte >> 4);
+      return static_cast<float>(nib - 8) * sc[t * blocks + b];
+    }
+  };
+  /// int8 rows; sc[t] is token t's fp32 scale.
+  struct int8_rows {
+    std::uint8_t const* const* rows;
+    float const* sc;
+    scale_prep prepare(int t, int) const noexcept { return {V::set1(sc[t])}; }
+    vf load(int t, int c, scale_prep const& pr) const noexcept {
+      return V::mul_c(V::cvt_f(V::load_i8(rows[t] + detail::int8_row_header_bytes + c)), pr.scale);
+    }
+    float at(int t, int c) const noexcept {
+      return static_cast<float>(static_cast<std::int8_t>(rows[t][detail::int8_row_header_bytes + c])) * sc[t];
+    }
+  };
+
+  /// Per-tile memory of the loaders: row pointers and decoded block scales.
+  struct tile_rows {
+    void const* rows[T];
+    float sc[T * 16];
+  };
+
+  /// Calls f(loader) with a loader for tokens [t, t + m) of a row codec C's quantized rows (codecs
+  /// without a loader are decoded into `buffer` first).
+  template <class C, class F>
+  static void with_quantized_rows(token_source const& src, typename C::params_type const& p, int d, std::int64_t t,
+                                  int m, tile_rows& tr, float* buffer, F&& f) noexcept {
+    std::uint8_t const* row0 = src.units + static_cast<std::size_t>(t) * src.unit_bytes;
+    for (int r = 0; r < m; ++r) tr.rows[r] = row0 + static_cast<std::size_t>(r) * src.unit_bytes;
+    int const nb = (d + 31) / 32;
+    if constexpr (std::is_same_v<C, f32_codec>) {
+      f(f32_rows{reinterpret_cast<float const* const*>(tr.rows)});
+    } else if constexpr (std::is_same_v<C, f16_codec>) {
+      f(f16_rows{reinterpret_cast<std::uint16_t const* const*>(tr.rows)});
+    } else if constexpr ((std::is_same_v<C, q8_0> || std::is_same_v<C, q4_0>)&&32 % W == 0) {
+      if (nb <= 16) {
+        for (int r = 0; r < m; ++r) {
+          auto const* row = static_cast<std::uint8_t const*>(tr.rows[r]);
+          for (int b = 0; b < nb; ++b) {
+            std::uint16_t h;
+            std::memcpy(&h, row + static_cast<std::size_t>(b) * (std::is_same_v<C, q8_0> ? 34 : 18), 2);
+            tr.sc[r * nb + b] = V::f16_scalar_hw(h);
+          }
+        }
+        auto const* const* rows = reinterpret_cast<std::uint8_t const* const*>(tr.rows);
+        if constexpr (std::is_same_v<C, q8_0>)
+          f(q8_0_rows{rows, tr.sc, nb});
+        else
+          f(q4_0_rows{rows, tr.sc, nb});
+        return;
+      }
+      decoded<C>(src, p, d, t, m, tr, buffer, f);
+    } else if constexpr (std::is_same_v<C, int8_sym>) {
+      for (int r = 0; r < m; ++r) std::memcpy(&tr.sc[r], tr.rows[r], 4);
+      f(int8_rows{reinterpret_cast<std::uint8_t const* const*>(tr.rows), tr.sc});
+    } else {
+      decoded<C>(src, p, d, t, m, tr, buffer, f);
+    }
+  }
+
+  /// Decodes tokens [t, t + m) of row codec C into buffer rows and calls f with an f32 loader.
+  template <class C, class F>
+  static void decoded(token_source const& src, typename C::params_type const& p, int d, std::int64_t t, int m,
+                      tile_rows& tr, float* buffer, F&& f) noexcept {
+    simd_codecs<V>::template decode_rows<C>(src.units + static_cast<std::size_t>(t) * src.unit_bytes, src.unit_bytes, m,
+                                            d, buffer, d, p);
+    for (int r = 0; r < m; ++r) tr.rows[r] = buffer + static_cast<std::ptrdiff_t>(r) * d;
+    f(f32_rows{reinterpret_cast<float const* const*>(tr.rows)});
+  }
+
+  /// Calls f(loader) with an f16 loader for tokens [t, t + m) of the residual (ring) rows.
+  template <class F>
+  static void with_residual_rows(token_source const& src, int d, std::int64_t t, int m, tile_rows& tr, F&& f) noexcept {
+    for (int r = 0; r < m; ++r) {
+      std::int64_t const slot = (src.residual_first + (t + r - src.quantized)) % src.residual_capacity;
+      tr.rows[r] = src.residual + slot * d;
+    }
+    f(f16_rows{reinterpret_cast<std::uint16_t const* const*>(tr.rows)});
+  }
+
+  /// Writes tokens t < m of a loader as f32 rows of d floats to y.
+  template <class L>
+  static void decode_rows(L const& rows, int m, int d, float* y) noexcept {
+    for (int t = 0; t < m; ++t) {
+      float* yt = y + static_cast<std::ptrdiff_t>(t) * d;
+      int c = 0;
+      for (; c + 32 <= d; c += 32) {
+        auto const pr = rows.prepare(t, c);
+        for (int w = 0; w < 32; w += W) V::store(yt + c + w, rows.load(t, c + w, pr));
+      }
+      for (; c + W <= d; c += W) V::store(yt + c, rows.load(t, c, rows.prepare(t, c)));
+      for (; c < d; ++c) yt[c] = rows.at(t, c);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // q . k
+
+  /// logits[(h0 + i) * T + t0 + j] = q_(h0+i) . k_(t0+j) for i < NH heads and j < nt <= NT tokens:
+  /// NH * NT = W independent accumulators, summed by one reduce_lanes; each key vector is loaded
+  /// (decoded) once for the NH heads.
+  template <int NH, int NT, class L>
+  static void dot_tile(float const* q, int d, int h0, L const& k, int t0, int nt, float* logits) noexcept {
+    static_assert(NH * NT == W, "dot_tile: NH * NT must be the lane count");
+    vf acc[W];
+    for (int i = 0; i < W; ++i) acc[i] = V::set1(0.0f);
+    float const* qh = q + static_cast<std::ptrdiff_t>(h0) * d;
+    int tj[NT];
+    for (int j = 0; j < NT; ++j) tj[j] = t0 + (j < nt ? j : 0);
+    auto const step = [&](int c, auto const* pr) {
+      vf kv[NT];
+      for (int j = 0; j < NT; ++j) kv[j] = k.load(tj[j], c, pr[j]);
+      for (int i = 0; i < NH; ++i) {
+        vf const qv = V::load(qh + static_cast<std::ptrdiff_t>(i) * d + c);
+        for (int j = 0; j < NT; ++j) acc[i * NT + j] = V::fma(qv, kv[j], acc[i * NT + j]);
+      }
+    };
+    using prep = decltype(k.prepare(0, 0));
+    int c = 0;
+    for (; c + 32 <= d; c += 32) {  // whole 32-channel blocks: the scales prepared once
+      prep pr[NT];
+      for (int j = 0; j < NT; ++j) pr[j] = k.prepare(tj[j], c);
+      for (int w = 0; w < 32; w += W) step(c + w, pr);
+    }
+    for (; c + W <= d; c += W) {
+      prep pr[NT];
+      for (int j = 0; j < NT; ++j) pr[j] = k.prepare(tj[j], c);
+      step(c, pr);
+    }
+    alignas(64) float sums[W];
+    V::store(sums, V::reduce_lanes(acc));
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < nt; ++j) {
+        float s = sums[i * NT + j];
+        for (int cc = c; cc < d; ++cc) s += qh[static_cast<std::ptrdiff_t>(i) * d + cc] * k.at(t0 + j, cc);
+        logits[(h0 + i) * T + t0 + j] = s;
+      }
+  }
+
+  /// logits[h * T + off + t] = q_h . k_t for every head of the group and tokens t < n.
+  template <class L>
+  static void dot_rows(float const* q, int d, int group, L const& k, int n, int off, float* logits) noexcept {
+    float* const lo = logits + off;
+    constexpr int H4 = W >= 4 ? 4 : W;
+    constexpr int H2 = W >= 2 ? 2 : 1;
+    if (group % H4 == 0) {
+      for (int h = 0; h < group; h += H4)
+        for (int t = 0; t < n; t += W / H4) dot_tile<H4, W / H4>(q, d, h, k, t, std::min(W / H4, n - t), lo);
+    } else if (group % H2 == 0) {
+      for (int h = 0; h < group; h += H2)
+        for (int t = 0; t < n; t += W / H2) dot_tile<H2, W / H2>(q, d, h, k, t, std::min(W / H2, n - t), lo);
+    } else {
+      for (int h = 0; h < group; ++h)
+        for (int t = 0; t < n; t += W) dot_tile<1, W>(q, d, h, k, t, std::min(W, n - t), lo);
+    }
+  }
+
+  /// The exact q8_0-query dot of one q8_0 / q4_0 / int8 key row, in the reference's order
+  /// (attention.hpp detail::dot_row; the f16 scales are converted by hardware, which equals the
+  /// reference's conversion for every non-NaN scale).
+  template <class KC>
+  static float integer_dot(std::uint8_t const* row, detail::block_q8_0 const* qb, int d) noexcept {
+    int const nb = (d + 31) / 32;
+    float sum = 0.0f;
+    if constexpr (std::is_same_v<KC, q8_0>) {
+      for (int b = 0; b < nb; ++b) {
+        std::uint8_t const* blk = row + static_cast<std::size_t>(b) * sizeof(detail::block_q8_0);
+        std::uint16_t dk;
+        std::memcpy(&dk, blk, 2);
+        int const sumi = V::dot_s8x32(reinterpret_cast<std::int8_t const*>(blk + 2), qb[b].qs);
+        sum = detail::add_rn(sum, detail::mul_rn(static_cast<float>(sumi),
+                                                 detail::mul_rn(V::f16_scalar_hw(dk), V::f16_scalar_hw(qb[b].d))));
+      }
+    } else if constexpr (std::is_same_v<KC, q4_0>) {
+      alignas(32) std::int8_t codes[32];
+      for (int b = 0; b < nb; ++b) {
+        std::uint8_t const* blk = row + static_cast<std::size_t>(b) * sizeof(detail::block_q4_0);
+        std::uint16_t dk;
+        std::memcpy(&dk, blk, 2);
+        int const sumi = V::dot_q4x32(blk + 2, qb[b].qs, codes);
+        sum = detail::add_rn(sum, detail::mul_rn(detail::mul_rn(static_cast<float>(sumi), V::f16_scalar_hw(dk)),
+                                                 V::f16_scalar_hw(qb[b].d)));
+      }
+    } else {
+      float scale;
+      std::memcpy(&scale, row, 4);
+      auto const* codes = reinterpret_cast<std::int8_t const*>(row + detail::int8_row_header_bytes);
+      alignas(32) std::int8_t tail[32];
+      for (int b = 0; b < nb; ++b) {
+        std::int8_t const* k = codes + 32 * b;
+        if (32 * b + 32 > d) {
+          std::memset(tail, 0, sizeof tail);
+          std::memcpy(tail, k, static_cast<std::size_t>(d - 32 * b));
+          k = tail;
+        }
+        int const sumi = V::dot_s8x32(k, qb[b].qs);
+        sum = detail::add_rn(sum, detail::mul_rn(static_cast<float>(sumi), V::f16_scalar_hw(qb[b].d)));
+      }
+      sum = detail::mul_rn(sum, scale);
+    }
+    return sum;
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // q . k for KIVI key tiles (query scaled per channel)
+
+  /// logits[h * T + off + i] = q_h . k_(first + i) for i < n, tokens first .. first + n - 1 of a
+  /// KIVI key tile (first + n <= G).
+  template <class KC>
+  static void kivi_logits(std::uint8_t const* tile, int d, float const* q, int group, int first, int n, int off,
+                          float* logits, float* scaled) noexcept {
+    constexpr int B = KC::bits;
+    constexpr int code_bytes = KC::code_bytes;
+    auto const* scales = reinterpret_cast<std::uint16_t const*>(tile + KC::scale_offset(d, 0));
+    auto const* mins = reinterpret_cast<std::uint16_t const*>(tile + KC::min_offset(d, 0));
+    std::uint8_t const* codes = tile + KC::codes_offset(d, 0);
+    int const j0 = first / W, j1 = (first + n + W - 1) / W;
+    for (int h0 = 0; h0 < group; h0 += 4) {
+      int const nh = std::min(4, group - h0);
+      float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int i = 0; i < nh; ++i) {
+        float const* qh = q + static_cast<std::ptrdiff_t>(h0 + i) * d;
+        float* sh = scaled + static_cast<std::ptrdiff_t>(i) * d;
+        vf b = V::set1(0.0f);
+        int c = 0;
+        for (; c + W <= d; c += W) {
+          vf const qv = V::load(qh + c);
+          V::store(sh + c, V::mul_c(qv, V::f16_load_hw(scales + c)));
+          b = V::fma(qv, V::f16_load_hw(mins + c), b);
+        }
+        float bs = V::reduce_add(b);
+        for (; c < d; ++c) {
+          sh[c] = qh[c] * detail::f16_bits_to_f32(scales[c]);
+          bs += qh[c] * detail::f16_bits_to_f32(mins[c]);
+        }
+        bias[i] = bs;
+      }
+      for (int j = j0; j < j1; ++j) {
+        std::uint8_t const* cj = codes + j * (W * B / 8);
+        vf acc[4];
+        for (int i = 0; i < 4; ++i) acc[i] = V::set1(bias[i]);
+        if (nh == 4) {
+          for (int c = 0; c < d; ++c) {
+            vf const x = V::cvt_f(V::template load_codes<B>(cj + static_cast<std::ptrdiff_t>(c) * code_bytes));
+            for (int i = 0; i < 4; ++i) acc[i] = V::fma(x, V::set1(scaled[i * d + c]), acc[i]);
+          }
+        } else {
+          for (int c = 0; c < d; ++c) {
+            vf const x = V::cvt_f(V::template load_codes<B>(cj + static_cast<std::ptrdiff_t>(c) * code_bytes));
+            for (int i = 0; i < nh; ++i) acc[i] = V::fma(x, V::set1(scaled[i * d + c]), acc[i]);
+          }
+        }
+        alignas(64) float lane[W];
+        for (int i = 0; i < nh; ++i) {
+          V::store(lane, acc[i]);
+          for (int l = 0; l < W; ++l) {
+            int const t = j * W + l;
+            if (t >= first && t < first + n) logits[(h0 + i) * T + off + (t - first)] = lane[l];
+          }
+        }
+      }
+    }
+  }
+
+  /// Raw logits (before scale) of tokens [tb, tb + n) for every head of the group.
+  template <class KC>
+  static void tile_logits(token_source const& k, typename KC::params_type const& kp, attention_call const& call,
+                          float const* q, detail::block_q8_0 const* qb, std::int64_t tb, int n, attention_scratch& s,
+                          tile_rows& tr) noexcept {
+    int const d = call.head_dim;
+    float* const logits = s.logits.data();
+    int i = 0;
+    while (i < n) {
+      std::int64_t const t = tb + i;
+      if (t >= k.quantized) {  // f16 residual rows (KIVI keys)
+        int const m = n - i;
+        with_residual_rows(k, d, t, m, tr, [&](auto const& rows) { dot_rows(q, d, call.group, rows, m, i, logits); });
+        i += m;
+        continue;
+      }
+      if constexpr (KC::layout == codec_layout::token_group) {
+        constexpr int G = KC::group;
+        std::int64_t const tile = t / G;
+        int const first = static_cast<int>(t % G);
+        int const m = static_cast<int>(std::min<std::int64_t>({n - i, G - first, k.quantized - t}));
+        std::uint8_t const* tp = k.units + static_cast<std::size_t>(tile) * k.unit_bytes;
+        if constexpr (G % W == 0) {
+          kivi_logits<KC>(tp, d, q, call.group, first, m, i, logits, s.scaled.data());
+        } else {
+          simd_codecs<V>::template decode_tile_tokens<KC>(tp, d, first, m, s.keys.data(), d, kp);
+          for (int r = 0; r < m; ++r) tr.rows[r] = s.keys.data() + static_cast<std::ptrdiff_t>(r) * d;
+          dot_rows(q, d, call.group, f32_rows{reinterpret_cast<float const* const*>(tr.rows)}, m, i, logits);
+        }
+        i += m;
+      } else {
+        int const m = static_cast<int>(std::min<std::int64_t>(n - i, k.quantized - t));
+        if constexpr (integer_dot_key<KC>) {
+          if (qb != nullptr) {
+            std::uint8_t const* row0 = k.units + static_cast<std::size_t>(t) * k.unit_bytes;
+            int const nb = (d + 31) / 32;
+            for (int h = 0; h < call.group; ++h)
+              for (int r = 0; r < m; ++r)
+                logits[h * T + i + r] = integer_dot<KC>(row0 + static_cast<std::size_t>(r) * k.unit_bytes,
+                                                        qb + static_cast<std::ptrdiff_t>(h) * nb, d);
+            i += m;
+            continue;
+          }
+        }
+        with_quantized_rows<KC>(k, kp, d, t, m, tr, s.keys.data(), [&](auto const& rows) {
+          using loader = std::decay_t<decltype(rows)>;
+          if constexpr (std::is_same_v<decltype(rows.prepare(0, 0)), no_prep>) {
+            dot_rows(q, d, call.group, rows, m, i, logits);
+          } else {  // scaled codes: decode once into the f32 tile (the dot's registers go to the tokens)
+            float* const buf = s.keys.data();
+            decode_rows<loader>(rows, m, d, buf);
+            float const* ptrs[T];
+            for (int r = 0; r < m; ++r) ptrs[r] = buf + static_cast<std::ptrdiff_t>(r) * d;
+            dot_rows(q, d, call.group, f32_rows{ptrs}, m, i, logits);
+          }
+        });
+        i += m;
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // p . V
+
+  /// o_(h0+i)[c0 + j W ...] += sum_t p_(h0+i)[t] * v_t for i < NH heads, NC chunks of W channels.
+  template <int NH, int NC, class L>
+  static void accumulate_tile(float* const* o, float const* const* p, L const& v, int n, int c0) noexcept {
+    vf acc[NH][NC];
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < NC; ++j) acc[i][j] = V::load(o[i] + c0 + j * W);
+    using prep = decltype(v.prepare(0, 0));
+    for (int t = 0; t < n; ++t) {
+      vf pv[NH];
+      for (int i = 0; i < NH; ++i) pv[i] = V::set1(p[i][t]);
+      prep pr = v.prepare(t, c0);
+      for (int j = 0; j < NC; ++j) {
+        if (j > 0 && (c0 + j * W) % 32 == 0) pr = v.prepare(t, c0 + j * W);
+        vf const x = v.load(t, c0 + j * W, pr);
+        for (int i = 0; i < NH; ++i) acc[i][j] = V::fma(pv[i], x, acc[i][j]);
+      }
+    }
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < NC; ++j) V::store(o[i] + c0 + j * W, acc[i][j]);
+  }
+
+  /// o_(h0+i) += sum_t p_(h0+i)[t] * v_t over every channel, for NH heads.
+  template <int NH, class L>
+  static void accumulate_heads(float* const* o, float const* const* p, L const& v, int n, int d) noexcept {
+    constexpr int NC = NH == 4 ? (W >= 16 ? 4 : 2) : NH == 2 ? 4 : 8;
+    int c = 0;
+    for (; c + NC * W <= d; c += NC * W) accumulate_tile<NH, NC>(o, p, v, n, c);
+    for (; c + W <= d; c += W) accumulate_tile<NH, 1>(o, p, v, n, c);
+    for (; c < d; ++c)
+      for (int i = 0; i < NH; ++i) {
+        float a = o[i][c];
+        for (int t = 0; t < n; ++t) a += p[i][t] * v.at(t, c);
+        o[i][c] = a;
+      }
+  }
+
+  /// o_h += sum_t p_h[t] * v_t for every head of the group (p_h = probs + h * T + off).
+  template <class L>
+  static void accumulate(float* out, int d, int group, float const* probs, int off, L const& v, int n) noexcept {
+    auto const head = [&](int h, float** o, float const** p, int i) {
+      o[i] = out + static_cast<std::ptrdiff_t>(h) * d;
+      p[i] = probs + h * T + off;
+    };
+    int h = 0;
+    if (W >= 4)
+      for (; h + 4 <= group; h += 4) {
+        float* o[4];
+        float const* p[4];
+        for (int i = 0; i < 4; ++i) head(h + i, o, p, i);
+        accumulate_heads<4>(o, p, v, n, d);
+      }
+    for (; h + 2 <= group; h += 2) {
+      float* o[2];
+      float const* p[2];
+      for (int i = 0; i < 2; ++i) head(h + i, o, p, i);
+      accumulate_heads<2>(o, p, v, n, d);
+    }
+    for (; h < group; ++h) {
+      float* o[1];
+      float const* p[1];
+      head(h, o, p, 0);
+      accumulate_heads<1>(o, p, v, n, d);
+    }
+  }
+
+  /// Calls f(loader, first, count) for the value rows of tokens [tb, tb + n), segment by segment.
+  template <class VC, class F>
+  static void with_value_rows(token_source const& v, typename VC::params_type const& vp, int d, std::int64_t tb, int n,
+                              attention_scratch& s, tile_rows& tr, F&& f) noexcept {
+    int i = 0;
+    while (i < n) {
+      std::int64_t const t = tb + i;
+      if (t >= v.quantized) {
+        int const m = n - i;
+        with_residual_rows(v, d, t, m, tr, [&](auto const& rows) { f(rows, i, m); });
+        i += m;
+      } else {
+        int const m = static_cast<int>(std::min<std::int64_t>(n - i, v.quantized - t));
+        with_quantized_rows<VC>(v, vp, d, t, m, tr, s.values.data(), [&](auto const& rows) { f(rows, i, m); });
+        i += m;
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Softmax
+
+  /// The reference's per-token online-softmax update (attention.hpp), for a head whose tile holds
+  /// a NaN or an infinite logit; v: the tile's value rows as f32 (d floats apart).
+  static void update_per_token(float* o, float& m, float& sum, int d, float const* s, int n, float const* v,
+                               bool f16_probabilities) noexcept {
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < n; ++t) {
+      if (s[t] == neg_inf) continue;
+      if (s[t] > m) {
+        float const corr = m == neg_inf ? 0.0f : std::exp(m - s[t]);
+        for (int c = 0; c < d; ++c) o[c] *= corr;
+        sum *= corr;
+        m = s[t];
+      }
+      float const p = std::exp(s[t] - m);
+      float const pv = f16_probabilities ? detail::f16_bits_to_f32(detail::f32_to_f16_bits(p)) : p;
+      sum += p;
+      float const* vt = v + static_cast<std::ptrdiff_t>(t) * d;
+      for (int c = 0; c < d; ++c) o[c] += pv * vt[c];
+    }
+  }
+
+  /// Scales (and softcaps) one head's n logits s in place, rescales its state to the new running
+  /// max and writes the probabilities to p. Returns false, touching nothing else, when the logits
+  /// hold a NaN or an infinity (the per-token path handles those); p is all 0 when every logit
+  /// is -Inf.
+  static bool softmax_tile(float* o, float& m, float& sum, attention_call const& call, float* s, int n,
+                           float* p) noexcept {
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    constexpr float big = std::numeric_limits<float>::max();
+    int const d = call.head_dim;
+    bool finite = true;
+    float tmax = neg_inf;
+    int t0 = 0;
+    if (call.softcap == 0.0f) {
+      vf const sc = V::set1(call.scale), bigv = V::set1(big);
+      vf mx = V::set1(neg_inf);
+      unsigned ok = (1u << W) - 1u;
+      for (; t0 + W <= n; t0 += W) {
+        vf const x = V::mul_c(V::load(s + t0), sc);
+        V::store(s + t0, x);
+        ok &= V::mask_bits(V::le_f(V::abs(x), bigv));  // lanes neither NaN nor infinite
+        mx = V::max(mx, x);
+      }
+      finite = ok == (1u << W) - 1u;
+      tmax = V::reduce_max(mx);
+    }
+    for (int t = t0; t < n; ++t) {
+      float x = s[t] * call.scale;
+      if (call.softcap > 0.0f) x = call.softcap * std::tanh(x / call.softcap);
+      s[t] = x;
+      finite = finite && std::fabs(x) <= big;
+      tmax = std::max(tmax, x);
+    }
+    if (!finite) return false;
+    if (tmax > m) {
+      float const corr = m == neg_inf ? 0.0f : std::exp(m - tmax);
+      vf const cv = V::set1(corr);
+      int c = 0;
+      for (; c + W <= d; c += W) V::store(o + c, V::mul_c(V::load(o + c), cv));
+      for (; c < d; ++c) o[c] *= corr;
+      sum *= corr;
+      m = tmax;
+    }
+    vf const mv = V::set1(m);
+    vf acc = V::set1(0.0f);
+    int t = 0;
+    for (; t + W <= n; t += W) {
+      vf const e = exp_nonpositive(V::sub(V::load(s + t), mv));
+      acc = V::add(acc, e);
+      V::store(p + t, call.f16_probabilities ? V::round_f16(e) : e);
+    }
+    float total = V::reduce_add(acc);
+    for (; t < n; ++t) {
+      float const e = std::exp(s[t] - m);
+      total += e;
+      p[t] = call.f16_probabilities ? detail::f16_bits_to_f32(detail::f32_to_f16_bits(e)) : e;
+    }
+    sum += total;
+    return true;
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Entry
+
+  /// Asks for the quantized bytes of tokens [t, t + n) to be brought into cache (units of
+  /// `per_unit` tokens).
+  static void prefetch_tile(token_source const& src, int per_unit, std::int64_t t, std::int64_t n) noexcept {
+    if (n <= 0 || t >= src.quantized) return;
+    std::int64_t const last = std::min(t + n, src.quantized) - 1;
+    auto const* b = src.units + static_cast<std::size_t>(t / per_unit) * src.unit_bytes;
+    auto const* e = src.units + static_cast<std::size_t>(last / per_unit + 1) * src.unit_bytes;
+#if defined(__GNUC__)
+    for (; b < e; b += 64) __builtin_prefetch(b, 0, 3);
+#else
+    (void)b;
+    (void)e;
+#endif
+  }
+
+  /// Attends the group's heads (query q: (group, head_dim), already rounded as the options say;
+  /// qb: its q8_0 blocks (group, blocks) for integer key dots, or nullptr) to tokens [begin, end)
+  /// of one kv head, updating `state`.
+  template <class KC, class VC>
+  static void attend(token_source const& k, typename KC::params_type const& kp, token_source const& v,
+                     typename VC::params_type const& vp, attention_call const& call, float const* q,
+                     detail::block_q8_0 const* qb, std::int64_t begin, std::int64_t end, attention_state const& state,
+                     attention_scratch& s) noexcept {
+    int const d = call.head_dim;
+    int const group = call.group;
+    tile_rows tr;
+    if (s.probs.size() < static_cast<std::size_t>(group) * T) s.probs.resize(static_cast<std::size_t>(group) * T);
+    if (s.saved.size() < static_cast<std::size_t>(group) * d) s.saved.resize(static_cast<std::size_t>(group) * d);
+    if (s.special.size() < static_cast<std::size_t>(group)) s.special.resize(static_cast<std::size_t>(group));
+    for (std::int64_t t0 = begin; t0 < end; t0 += T) {
+      std::int64_t const tb = t0;
+      int const n = static_cast<int>(std::min(end, t0 + T) - tb);
+      prefetch_tile(k, KC::geometry(d).tokens, tb + n, std::min<std::int64_t>(end - tb - n, T));
+      prefetch_tile(v, 1, tb + n, std::min<std::int64_t>(end - tb - n, T));
+      tile_logits<KC>(k, kp, call, q, qb, tb, n, s, tr);
+      // Softmax per head; heads with a NaN or infinite logit take the per-token path below.
+      bool any_special = false;
+      for (int h = 0; h < group; ++h) {
+        float* const o = state.out + static_cast<std::ptrdiff_t>(h) * d;
+        bool const ok =
+            softmax_tile(o, state.max[h], state.sum[h], call, s.logits.data() + h * T, n, s.probs.data() + h * T);
+        s.special[static_cast<std::size_t>(h)] = !ok;
+        if (!ok) {
+          any_special = true;
+          std::memcpy(s.saved.data() + static_cast<std::ptrdiff_t>(h) * d, o, static_cast<std::size_t>(d) * 4);
+          std::fill_n(s.probs.data() + h * T, n, 0.0f);
+        }
+      }
+      with_value_rows<VC>(v, vp, d, tb, n, s, tr, [&](auto const& rows, int first, int m) {
+        accumulate(state.out, d, group, s.probs.data(), first, rows, m);
+        if (any_special) {  // the tile's value rows as f32, for the per-token path
+          for (int r = 0; r < m; ++r) {
+            float* y = s.special_values.data() + static_cast<std::ptrdiff_t>(first + r) * d;
+            for (int c = 0; c < d; ++c) y[c] = rows.at(r, c);
+          }
+        }
+      });
+      if (any_special)
+        for (int h = 0; h < group; ++h) {
+          if (!s.special[static_cast<std::size_t>(h)]) continue;
+          float* const o = state.out + static_cast<std::ptrdiff_t>(h) * d;
+          std::memcpy(o, s.saved.data() + static_cast<std::ptrdiff_t>(h) * d, static_cast<std::size_t>(d) * 4);
+          update_per_token(o, state.max[h], state.sum[h], d, s.logits.data() + h * T, n, s.special_values.data(),
+                           call.f16_probabilities);
+        }
+    }
+  }
+};
+
+}  // namespace simd
+}  // namespace cpu_kernels
+KVQ_NAMESPACE_END
+
+/// Defines kvq::cpu_kernels::<isa>::attention_kernel, simd_attention over the policy OPS.
+#define KVQ_CPU_DEFINE_ATTENTION(OPS) \
+  struct attention_kernel : ::kvq::cpu_kernels::simd::simd_attention<OPS> {};

@@ -1,0 +1,320 @@
+// kvq's CUDA backend without a GPU: cuda_cache_core (the CUDA cache's host logic: checks, layer
+// bookkeeping, launch plans, attention splits) driven over a runtime that runs the kernel bodies of
+// backend/cuda/cuda_device.h on the CPU, thread by thread, in place of the CUDA runtime. Compared
+// with the CPU scalar reference: encoded bytes identical, decoded values bit-identical, attention
+// within fp32 rounding of kvq::decode_attention with the same options; every codec, head_dims 8,
+// 64, 80 and 128, KIVI R = 0, 32 and 128, GQA 32/8 and MHA, batched attention, errors with the
+// cache unchanged, and a failing runtime call making the cache unusable.
+//
+// The attention blocks run their threads in a configurable order with shared memory filled with
+// NaN first, so a phase that read another thread's result of the same phase (a missing barrier on
+// the GPU) or an uninitialised shared value would show up as a difference.
+#include <kvq/backend/cuda/cuda_cache_core.hpp>
+#include <kvq/backend/cuda/cuda_device.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "catch_compat.hpp"
+#include "cuda/cuda_scenario.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+namespace kt = kvq_cuda_test;
+
+/// Knobs shared by every host runtime of a test: thread order, fault injection, counters.
+struct host_control {
+  bool reverse_threads = false;  ///< run the threads of a block from the last to the first
+  int fail_in = -1;              ///< > 0: the fail_in-th kernel launch from now fails
+  int launches = 0;
+};
+
+/// The threads of one emulated block: run(f) calls f(tid) for every thread, in order or reversed.
+struct host_threads {
+  int n;
+  bool reverse;
+  int count() const { return n; }
+  template <class F>
+  void run(F&& f) {
+    for (int i = 0; i < n; ++i) f(reverse ? n - 1 - i : i);
+  }
+};
+
+/// cuda_cache_core's runtime on host memory: "kernels" run their bodies on the CPU.
+struct host_runtime {
+  using stream_type = int;
+  std::shared_ptr<host_control> control = std::make_shared<host_control>();
+  int sms = 4;
+  std::size_t smem = 48 * 1024;
+
+  auto sm_count() const -> int { return sms; }
+  auto smem_per_block() const -> std::size_t { return smem; }
+  auto allocate(void** p, std::size_t bytes) const -> kvq::device_status {
+    *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    if (*p == nullptr) return {"aligned_alloc", "out of memory"};
+    std::memset(*p, 0, bytes);
+    return {};
+  }
+  void deallocate(void* p) const noexcept { std::free(p); }
+  auto copy_2d(void* dst, std::size_t dpitch, void const* src, std::size_t spitch, std::size_t width,
+               std::size_t height, int) const -> kvq::device_status {
+    for (std::size_t r = 0; r < height; ++r)
+      std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<char const*>(src) + r * spitch, width);
+    return {};
+  }
+  auto zero(void* p, std::size_t bytes, int) const -> kvq::device_status {
+    std::memset(p, 0, bytes);
+    return {};
+  }
+  auto synchronize(int) const -> kvq::device_status { return {}; }
+
+  /// Counts a launch; the injected failure, if due.
+  auto launch() const -> kvq::device_status {
+    ++control->launches;
+    if (control->fail_in > 0 && --control->fail_in == 0) return {"test kernel launch", "injected failure"};
+    return {};
+  }
+  template <class F>
+  auto elementwise(long long n, F&& f) const -> kvq::device_status {
+    auto const s = launch();
+    if (!s.ok()) return s;
+    for (long long i = 0; i < n; ++i) f(i);
+    return {};
+  }
+  template <int C>
+  auto encode_rows(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
+    return elementwise(n, [&](long long i) { kvq::cuda_detail::encode_rows_thread<C>(a, i); });
+  }
+  template <int C>
+  auto encode_key_tiles(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
+    return elementwise(n, [&](long long i) { kvq::cuda_detail::encode_key_tile_thread<C>(a, i); });
+  }
+  auto store_f16_rows(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
+    return elementwise(n, [&](long long i) { kvq::cuda_detail::store_f16_thread(a, i); });
+  }
+  template <int C>
+  auto decode(kvq_cuda::decode_args const& a, long long n, int) const -> kvq::device_status {
+    return elementwise(n, [&](long long i) { kvq::cuda_detail::decode_thread<C>(a, i); });
+  }
+  template <int KC, int VC>
+  auto attention(kvq_cuda::attention_args const& a, unsigned gx, unsigned gy, unsigned gz, int threads,
+                 std::size_t smem_bytes, int) const -> kvq::device_status {
+    auto const s = launch();
+    if (!s.ok()) return s;
+    REQUIRE(smem_bytes <= smem);
+    std::vector<float> sm(smem_bytes / 4);
+    host_threads th{threads, control->reverse_threads};
+    for (unsigned z = 0; z < gz; ++z)
+      for (unsigned y = 0; y < gy; ++y)
+        for (unsigned x = 0; x < gx; ++x) {
+          std::fill(sm.begin(), sm.end(), std::numeric_limits<float>::quiet_NaN());
+          kvq::cuda_detail::attention_block<KC, VC>(a, static_cast<int>(x), static_cast<int>(y), static_cast<int>(z),
+                                                    sm.data(), th);
+        }
+    return {};
+  }
+  auto combine(kvq_cuda::combine_args const& a, long long n, int) const -> kvq::device_status {
+    return elementwise(n, [&](long long i) { kvq::cuda_detail::combine_thread(a, i); });
+  }
+};
+
+/// The harness of cuda_scenario.hpp over cuda_cache_core<Choice, host_runtime> (host pointers).
+template <class Choice>
+class host_harness {
+ public:
+  using core_type = kvq::cuda_cache_core<Choice, host_runtime>;
+
+  host_harness(kvq::cache_shape const& s, kt::cpu_options<Choice> const& o, kt::launch const& lo, host_runtime rt = {})
+      : core_(s, core_options(o, lo), rt) {}
+
+  static auto core_options(kt::cpu_options<Choice> const& o, kt::launch const& lo) -> typename core_type::options {
+    typename core_type::options c;
+    c.residual = o.residual;
+    c.key = o.key;
+    c.value = o.value;
+    c.threads = lo.threads;
+    c.split_tokens = lo.split_tokens;
+    return c;
+  }
+
+  template <class T>
+  void append(int l, std::vector<T> const& k, std::vector<T> const& v, std::int64_t n) {
+    auto const& s = core_.shape();
+    core_.append(l, kvq::token_major(k.data(), n, s.kv_heads, s.head_dim),
+                 kvq::token_major(v.data(), n, s.kv_heads, s.head_dim), 0);
+  }
+  auto layer_bytes(int l) -> std::vector<std::uint8_t> {
+    auto const* p = reinterpret_cast<std::uint8_t const*>(core_.layer_data(l));
+    return {p, p + core_.layer_bytes()};
+  }
+  auto view(bool keys, int l, int h) const -> kvq::storage_view {
+    return keys ? core_.key_storage(l, h) : core_.value_storage(l, h);
+  }
+  auto layer_base(int l) const -> std::byte const* { return core_.layer_data(l); }
+  template <class T>
+  auto read(bool keys, int l, int h, std::int64_t first, std::int64_t count) -> std::vector<T> {
+    std::vector<T> out(static_cast<std::size_t>(count * core_.shape().head_dim));
+    if (keys) {
+      core_.read_keys(l, h, first, count, out.data(), 0, 0);
+    } else {
+      core_.read_values(l, h, first, count, out.data(), 0, 0);
+    }
+    return out;
+  }
+  void truncate(std::int64_t n) { core_.truncate(n, 0); }
+  void shift_left(std::int64_t n) { core_.shift_left(n, 0); }
+  void reset() { core_.reset(); }
+  auto size(int l) const -> std::int64_t { return core_.size(l); }
+  auto memory() const -> kvq::memory_report { return core_.memory(); }
+  auto attention(int l, std::vector<float> const& q, int q_heads, kvq::attention_options const& opt)
+      -> std::vector<float> {
+    std::vector<float> out(q.size(), -7.0f);
+    core_.attention(l, q.data(), q_heads, out.data(), opt, 0);
+    return out;
+  }
+  static auto batched(std::vector<host_harness*> const& hs, int l, std::vector<float> const& q, int q_heads,
+                      kvq::attention_options const& opt) -> std::vector<float> {
+    std::vector<core_type*> cores;
+    for (auto* h : hs) cores.push_back(&h->core_);
+    kvq::basic_cuda_workspace<host_runtime> ws(hs.front()->core_.runtime());
+    std::vector<float> out(q.size(), -7.0f);
+    kvq::detail::cuda_attention_batch<Choice, host_runtime>(std::span<core_type* const>(cores), l, q.data(), q_heads,
+                                                            out.data(), opt, ws, 0);
+    return out;
+  }
+  auto core() -> core_type& { return core_; }
+  auto stream() const -> int { return 0; }
+
+ private:
+  core_type core_;
+};
+
+template <class Choice>
+auto options_with(int residual) -> kt::cpu_options<Choice> {
+  kt::cpu_options<Choice> o;
+  o.residual = residual;
+  return o;
+}
+
+}  // namespace
+
+// Every codec as keys and values, and mixed pairs (the facade's list).
+TEMPLATE_TEST_CASE("cuda host: bytes, reads and attention match the CPU reference", "[cuda_host]", kvq::f32_codec,
+                   kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2,
+                   (kvq::kv_codecs<kvq::q8_0, kvq::q4_0>), (kvq::kv_codecs<kvq::f16_codec, kvq::q8_0>),
+                   (kvq::kv_codecs<kvq::int8_sym, kvq::fp8_e5m2>)) {
+  for (int d : {64, 128, 80, 8}) {
+    INFO("head_dim " << d);
+    kt::run_scenario<TestType, host_harness>(d, 0, {}, {}, d != 128);
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda host: KIVI residual semantics match the CPU cache", "[cuda_host]", kvq::kivi<2>, kvq::kivi<4>,
+                   kvq::kivi<8>, (kvq::kv_codecs<kvq::kivi_key<4>, kvq::q8_0>),
+                   (kvq::kv_codecs<kvq::q4_0, kvq::kivi_value<2>>)) {
+  for (int r : {0, 32, 128}) {
+    for (int d : {64, 128, 80, 8}) {
+      INFO("head_dim " << d << " R " << r);
+      kt::run_scenario<TestType, host_harness>(d, r, {}, {}, d == 64);
+    }
+  }
+}
+
+TEST_CASE("cuda host: fp8 parameters (scale, no saturation)", "[cuda_host]") {
+  kt::cpu_options<kvq::fp8_e4m3> o;
+  o.key = {0.05f, kvq::fp8_overflow::no_saturate};
+  o.value = {4.0f, kvq::fp8_overflow::saturate};
+  kt::run_scenario<kvq::fp8_e4m3, host_harness>(64, 0, o);
+  kt::cpu_options<kvq::fp8_e5m2> o2;
+  o2.key = {1e-4f, kvq::fp8_overflow::no_saturate};
+  o2.value = {1e-5f, kvq::fp8_overflow::saturate};
+  kt::run_scenario<kvq::fp8_e5m2, host_harness>(80, 0, o2);
+}
+
+TEST_CASE("cuda host: GQA 32/8 and MHA 8/8, planner's splits", "[cuda_host]") {
+  kt::run_gqa<kvq::q4_0, host_harness>(128, 700);
+  kt::run_gqa<kvq::f16_codec, host_harness>(64, 300);
+  kt::run_gqa<kvq::kivi<4>, host_harness>(128, 300, options_with<kvq::kivi<4>>(32));
+}
+
+TEMPLATE_TEST_CASE("cuda host: NaN and Inf inputs", "[cuda_host]", kvq::f32_codec, kvq::f16_codec, kvq::q8_0, kvq::q4_0,
+                   kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::kivi<4>) {
+  kt::run_special_values<TestType, host_harness>(64);
+  kt::run_special_values<TestType, host_harness>(40);
+}
+
+TEST_CASE("cuda host: batched attention over caches of one shape", "[cuda_host]") {
+  kt::run_batched<kvq::q8_0, host_harness>(64, 5);
+  kt::run_batched<kvq::kivi<2>, host_harness>(32, 4, options_with<kvq::kivi<2>>(32));
+  kt::run_batched<kvq::f16_codec, host_harness>(8, 70);  // two launches (64 sequences per launch)
+}
+
+TEMPLATE_TEST_CASE("cuda host: bad arguments raise typed errors, cache unchanged", "[cuda_host]", kvq::q4_0,
+                   kvq::kivi<4>, kvq::fp8_e4m3) {
+  kt::run_errors<TestType, host_harness>(64);
+}
+
+TEST_CASE("cuda host: a failing runtime call makes the cache unusable", "[cuda_host]") {
+  host_runtime rt;
+  host_harness<kvq::q8_0> g({1, 2, 64, 64}, {}, {}, rt);
+  auto const k = kt::kv_data(4, 2, 64, 5);
+  g.append(0, k, k, 4);
+  rt.control->fail_in = 2;  // the value kernel of the next append
+  CHECK_THROWS_AS(g.append(0, k, k, 4), kvq::device_error);
+  CHECK_FALSE(g.core().usable());
+  CHECK_THROWS_AS(g.append(0, k, k, 1), kvq::device_error);
+  CHECK_THROWS_AS(g.read<float>(true, 0, 0, 0, 1), kvq::device_error);
+  CHECK_THROWS_AS(g.attention(0, std::vector<float>(128), 2, {}), kvq::device_error);
+  try {
+    g.truncate(1);
+    FAIL("truncate on an unusable cache must raise");
+  } catch (kvq::device_error const& e) {
+    CHECK(std::string(e.what()).find("test kernel launch: injected failure") != std::string::npos);
+  }
+}
+
+TEST_CASE("cuda host: attention does not depend on the order of a block's threads", "[cuda_host]") {
+  for (int threads : {32, 128, 256}) {
+    std::vector<float> results[2];
+    for (int rev = 0; rev < 2; ++rev) {
+      host_runtime rt;
+      rt.control->reverse_threads = rev == 1;
+      host_harness<kvq::kv_codecs<kvq::q4_0, kvq::kivi_value<4>>> g({1, 2, 80, 256}, {}, {threads, 64}, rt);
+      g.append(0, kt::kv_data(200, 2, 80, 11), kt::kv_data(200, 2, 80, 12), 200);
+      kvq::attention_options opt;
+      opt.query = kvq::query_precision::q8_0;
+      opt.probabilities = kvq::probability_precision::f16;
+      results[rev] = g.attention(0, kvq_test::normal_data(8 * 80, 3), 8, opt);
+    }
+    INFO("threads " << threads);
+    CHECK(std::memcmp(results[0].data(), results[1].data(), results[0].size() * 4) == 0);
+  }
+}
+
+TEST_CASE("cuda host: attention plan", "[cuda_host]") {
+  kvq::detail::cuda_attention_plan p;
+  // H200-like: 132 SMs; 32/8 heads, head_dim 128, 32k tokens, batch 16.
+  REQUIRE(kvq::detail::plan_cuda_attention(128, 8, 32, 16, 32768, false, 132, 48 * 1024, 128, 0, p));
+  CHECK(p.tile == 32);
+  CHECK(p.heads == 4);
+  CHECK(p.chunks == 1);
+  CHECK(p.split_tokens % p.tile == 0);
+  CHECK(p.splits * p.split_tokens >= 32768);
+  CHECK(p.splits * 8 * 16 >= 4 * 132);
+  CHECK(p.smem_bytes <= 48 * 1024);
+  // MQA with many query heads: the heads are chunked to fit shared memory.
+  REQUIRE(kvq::detail::plan_cuda_attention(256, 1, 64, 1, 1000, true, 132, 48 * 1024, 128, 0, p));
+  CHECK(p.heads * p.chunks >= 64);
+  CHECK(p.smem_bytes <= 48 * 1024);
+  // Nothing to attend: no split.
+  REQUIRE(kvq::detail::plan_cuda_attention(64, 2, 4, 1, 0, false, 132, 48 * 1024, 128, 0, p));
+  CHECK(p.splits == 0);
+  // A head_dim far too large for a block's shared memory.
+  CHECK_FALSE(kvq::detail::plan_cuda_attention(65536, 1, 1, 1, 10, false, 132, 48 * 1024, 128, 0, p));
+  STATIC_REQUIRE(kvq::implements<kvq::q4_0, kvq::cuda>::value);
+  STATIC_REQUIRE(kvq::implements<kvq::kivi_key<2, 64>, kvq::cuda>::value);
+}
