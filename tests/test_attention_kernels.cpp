@@ -260,3 +260,29 @@ TEST_CASE("SIMD attention: NaN and infinite logits as the reference", "[attentio
     compare(c2, q, qh, 0, n, {}, 2e-5, "NaN value");
   }
 }
+
+TEST_CASE("SIMD attention: fp8 with a scale, and E5M2 infinities", "[attention_kernels]") {
+  int const d = 128, kv = 2, qh = 8;
+  std::int64_t const n = 90;
+  auto const q = queries(qh, d, 21);
+  std::mt19937 gen(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(static_cast<std::size_t>(n) * kv * d), v(k.size());
+  for (auto& x : k) x = nd(gen) * 3.0f;
+  for (auto& x : v) x = nd(gen) * 3.0f;
+  auto run = [&](auto tag, float scale, kvq::fp8_overflow overflow, std::string const& what) {
+    using C = decltype(tag);
+    typename kvq::QuantizedKVCache<C>::options o;
+    o.key = o.value = kvq::fp8_params{scale, overflow};
+    kvq::QuantizedKVCache<C> cache({2, kv, d, n}, o);
+    cache.append(1, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+    compare(cache, q, qh, 0, n, {}, 2e-5, what);
+  };
+  run(kvq::fp8_e4m3{}, 0.37f, kvq::fp8_overflow::saturate, "e4m3, scale 0.37");
+  run(kvq::fp8_e5m2{}, 3.0e-3f, kvq::fp8_overflow::saturate, "e5m2, scale 3e-3 (saturated codes)");
+  run(kvq::fp8_e4m3{}, 1e-4f, kvq::fp8_overflow::saturate, "e4m3, scale 1e-4 (saturated codes)");
+  // E5M2 without saturation: values beyond the range become +-Inf codes; a value row holding one
+  // gives NaN/Inf outputs exactly where the reference does.
+  v[static_cast<std::size_t>(30 * kv + 1) * d + 3] = 1e30f;
+  run(kvq::fp8_e5m2{}, 1.0f, kvq::fp8_overflow::no_saturate, "e5m2, an infinite value");
+}

@@ -146,45 +146,54 @@ struct simd_attention {
     vf scale, minus8;
   };
 
-  /// f32 rows.
+  /// The f32 value of the f16 scale at p (hardware conversion).
+  static float scale_at(std::uint8_t const* p) noexcept {
+    std::uint16_t h;
+    std::memcpy(&h, p, 2);
+    return V::f16_scalar_hw(h);
+  }
+
+  /// f32 rows (row pointers are byte pointers in every loader: the arrays hold one type).
   struct f32_rows {
-    float const* const* rows;
+    std::uint8_t const* const* rows;
     no_prep prepare(int, int) const noexcept { return {}; }
-    vf load(int t, int c, no_prep) const noexcept { return V::load(rows[t] + c); }
-    float at(int t, int c) const noexcept { return rows[t][c]; }
+    vf load(int t, int c, no_prep) const noexcept { return V::load(reinterpret_cast<float const*>(rows[t]) + c); }
+    float at(int t, int c) const noexcept {
+      float x;
+      std::memcpy(&x, rows[t] + 4 * static_cast<std::size_t>(c), 4);
+      return x;
+    }
   };
   /// f16 rows.
   struct f16_rows {
-    std::uint16_t const* const* rows;
+    std::uint8_t const* const* rows;
     no_prep prepare(int, int) const noexcept { return {}; }
-    vf load(int t, int c, no_prep) const noexcept { return V::f16_load_hw(rows[t] + c); }
-    float at(int t, int c) const noexcept { return V::f16_scalar_hw(rows[t][c]); }
+    vf load(int t, int c, no_prep) const noexcept {
+      return V::f16_load_hw(reinterpret_cast<std::uint16_t const*>(rows[t]) + c);
+    }
+    float at(int t, int c) const noexcept { return scale_at(rows[t] + 2 * static_cast<std::size_t>(c)); }
   };
-  /// q8_0 rows; sc[t * blocks + b] is the f32 scale of block b of token t.
+  /// q8_0 rows.
   struct q8_0_rows {
     std::uint8_t const* const* rows;
-    float const* sc;
-    int blocks;
     static constexpr std::size_t bb = sizeof(detail::block_q8_0);
-    scale_prep prepare(int t, int c) const noexcept { return {V::set1(sc[t * blocks + c / 32])}; }
+    scale_prep prepare(int t, int c) const noexcept {
+      return {V::set1(scale_at(rows[t] + bb * static_cast<std::size_t>(c / 32)))};
+    }
     vf load(int t, int c, scale_prep const& pr) const noexcept {
       return V::mul_c(V::cvt_f(V::load_i8(rows[t] + bb * static_cast<std::size_t>(c / 32) + 2 + (c % 32))), pr.scale);
     }
     float at(int t, int c) const noexcept {
-      int const b = c / 32;
-      auto const code = static_cast<std::int8_t>(rows[t][bb * static_cast<std::size_t>(b) + 2 + (c % 32)]);
-      return static_cast<float>(code) * sc[t * blocks + b];
+      std::uint8_t const* blk = rows[t] + bb * static_cast<std::size_t>(c / 32);
+      return static_cast<float>(static_cast<std::int8_t>(blk[2 + c % 32])) * scale_at(blk);
     }
   };
-  /// q4_0 rows; sc as for q8_0 ((n - 8) d = n d - 8 d exactly, so one FMA rounds as the codec's
-  /// product does).
+  /// q4_0 rows ((n - 8) d = n d - 8 d exactly, so one FMA rounds as the codec's product does).
   struct q4_0_rows {
     std::uint8_t const* const* rows;
-    float const* sc;
-    int blocks;
     static constexpr std::size_t bb = sizeof(detail::block_q4_0);
     scale8_prep prepare(int t, int c) const noexcept {
-      float const x = sc[t * blocks + c / 32];
+      float const x = scale_at(rows[t] + bb * static_cast<std::size_t>(c / 32));
       return {V::set1(x), V::set1(-8.0f * x)};
     }
     vf load(int t, int c, scale8_prep const& pr) const noexcept {
@@ -194,29 +203,94 @@ struct simd_attention {
       return V::fma(V::cvt_f(nib), pr.scale, pr.minus8);
     }
     float at(int t, int c) const noexcept {
-      int const b = c / 32, j = c % 32;
-      std::uint8_t const byte = rows[t][bb * static_cast<std::size_t>(b) + 2 + (j % 16)];
+      std::uint8_t const* blk = rows[t] + bb * static_cast<std::size_t>(c / 32);
+      int const j = c % 32;
+      std::uint8_t const byte = blk[2 + (j % 16)];
       int const nib = j < 16 ? (byte & 15) : (byte >> 4);
-      return static_cast<float>(nib - 8) * sc[t * blocks + b];
+      return static_cast<float>(nib - 8) * scale_at(blk);
     }
   };
-  /// int8 rows; sc[t] is token t's fp32 scale.
+  /// int8 rows (fp32 scale, then the codes).
   struct int8_rows {
     std::uint8_t const* const* rows;
-    float const* sc;
-    scale_prep prepare(int t, int) const noexcept { return {V::set1(sc[t])}; }
+    static float scale(std::uint8_t const* row) noexcept {
+      float x;
+      std::memcpy(&x, row, 4);
+      return x;
+    }
+    scale_prep prepare(int t, int) const noexcept { return {V::set1(scale(rows[t]))}; }
     vf load(int t, int c, scale_prep const& pr) const noexcept {
       return V::mul_c(V::cvt_f(V::load_i8(rows[t] + detail::int8_row_header_bytes + c)), pr.scale);
     }
     float at(int t, int c) const noexcept {
-      return static_cast<float>(static_cast<std::int8_t>(rows[t][detail::int8_row_header_bytes + c])) * sc[t];
+      return static_cast<float>(static_cast<std::int8_t>(rows[t][detail::int8_row_header_bytes + c])) * scale(rows[t]);
     }
   };
 
-  /// Per-tile memory of the loaders: row pointers and decoded block scales.
+  /// fp8 rows (E4M3 or E5M2): the code's bits placed in an f32 (exponent field at the f32
+  /// position), multiplied by 2^(127 - bias) — exact, subnormals included — then by the codec's
+  /// scale (one rounding, as the codec's decode); NaN (and E5M2 infinity) codes set apart.
+  template <bool E4M3>
+  struct fp8_rows {
+    std::uint8_t const* const* rows;
+    float scale;
+    struct prep {
+      vf scale;
+    };
+    static constexpr int man = E4M3 ? 3 : 2;
+    static constexpr float rebias = E4M3 ? 0x1p120f : 0x1p112f;
+    prep prepare(int, int) const noexcept { return {V::set1(scale)}; }
+    vf load(int t, int c, prep const& pr) const noexcept {
+      vi const b = V::load_u8(rows[t] + c);
+      vi const mag = V::and_i(b, V::set1_i(0x7f));
+      vi const sign = V::template slli<24>(V::and_i(b, V::set1_i(0x80)));
+      vf x = V::mul_c(V::from_bits(V::template slli<23 - man>(mag)), V::set1(rebias));
+      if constexpr (E4M3) {
+        x = V::select_f(V::eq_i(mag, V::set1_i(0x7f)), V::set1(std::numeric_limits<float>::quiet_NaN()), x);
+      } else {  // exponent all ones: infinity (mantissa 0) or NaN
+        vm const special = V::gt_i(mag, V::set1_i(0x7b));
+        vi const bits = V::or_i(V::set1_i(0x7f800000), V::template slli<21>(V::and_i(mag, V::set1_i(3))));
+        x = V::select_f(special, V::from_bits(bits), x);
+      }
+      return V::mul_c(V::from_bits(V::or_i(V::bits(x), sign)), pr.scale);
+    }
+    float at(int t, int c) const noexcept {
+      return E4M3 ? detail::e4m3_to_f32_scaled(rows[t][c], scale) : detail::e5m2_to_f32_scaled(rows[t][c], scale);
+    }
+  };
+
+  /// KIVI value rows with groups of 32 channels: code * scale + min per group.
+  template <int B>
+  struct kivi_value_rows {
+    std::uint8_t const* const* rows;
+    int gv;  // channels per group: min(32, head_dim)
+    struct prep {
+      vf scale, min;
+    };
+    std::size_t block_bytes() const noexcept {
+      return static_cast<std::size_t>(detail::kivi_group_header_bytes + (gv * B + 7) / 8);
+    }
+    prep prepare(int t, int c) const noexcept {
+      std::uint8_t const* blk = rows[t] + block_bytes() * static_cast<std::size_t>(c / gv);
+      return {V::set1(scale_at(blk)), V::set1(scale_at(blk + 2))};
+    }
+    vf load(int t, int c, prep const& pr) const noexcept {
+      std::uint8_t const* blk = rows[t] + block_bytes() * static_cast<std::size_t>(c / gv);
+      vi const q = V::template load_codes<B>(blk + detail::kivi_group_header_bytes + (c % gv) * B / 8);
+      return V::fma(V::cvt_f(q), pr.scale, pr.min);
+    }
+    float at(int t, int c) const noexcept {
+      std::uint8_t const* blk = rows[t] + block_bytes() * static_cast<std::size_t>(c / gv);
+      int const lane = c % gv;
+      int const q =
+          detail::kivi_unpack(blk[detail::kivi_group_header_bytes + detail::kivi_code_byte(lane, B)], lane, B);
+      return detail::kivi_value(q, scale_at(blk), scale_at(blk + 2));
+    }
+  };
+
+  /// Per-tile memory of the loaders: row pointers.
   struct tile_rows {
-    void const* rows[T];
-    float sc[T * 16];
+    std::uint8_t const* rows[T];
   };
 
   /// Calls f(loader) with a loader for tokens [t, t + m) of a row codec C's quantized rows (codecs
@@ -226,32 +300,22 @@ struct simd_attention {
                                   int m, tile_rows& tr, float* buffer, F&& f) noexcept {
     std::uint8_t const* row0 = src.units + static_cast<std::size_t>(t) * src.unit_bytes;
     for (int r = 0; r < m; ++r) tr.rows[r] = row0 + static_cast<std::size_t>(r) * src.unit_bytes;
-    int const nb = (d + 31) / 32;
     if constexpr (std::is_same_v<C, f32_codec>) {
-      f(f32_rows{reinterpret_cast<float const* const*>(tr.rows)});
+      f(f32_rows{tr.rows});
     } else if constexpr (std::is_same_v<C, f16_codec>) {
-      f(f16_rows{reinterpret_cast<std::uint16_t const* const*>(tr.rows)});
+      f(f16_rows{tr.rows});
     } else if constexpr ((std::is_same_v<C, q8_0> || std::is_same_v<C, q4_0>)&&32 % W == 0) {
-      if (nb <= 16) {
-        for (int r = 0; r < m; ++r) {
-          auto const* row = static_cast<std::uint8_t const*>(tr.rows[r]);
-          for (int b = 0; b < nb; ++b) {
-            std::uint16_t h;
-            std::memcpy(&h, row + static_cast<std::size_t>(b) * (std::is_same_v<C, q8_0> ? 34 : 18), 2);
-            tr.sc[r * nb + b] = V::f16_scalar_hw(h);
-          }
-        }
-        auto const* const* rows = reinterpret_cast<std::uint8_t const* const*>(tr.rows);
-        if constexpr (std::is_same_v<C, q8_0>)
-          f(q8_0_rows{rows, tr.sc, nb});
-        else
-          f(q4_0_rows{rows, tr.sc, nb});
-        return;
-      }
-      decoded<C>(src, p, d, t, m, tr, buffer, f);
+      auto const* const* rows = tr.rows;
+      if constexpr (std::is_same_v<C, q8_0>)
+        f(q8_0_rows{rows});
+      else
+        f(q4_0_rows{rows});
     } else if constexpr (std::is_same_v<C, int8_sym>) {
-      for (int r = 0; r < m; ++r) std::memcpy(&tr.sc[r], tr.rows[r], 4);
-      f(int8_rows{reinterpret_cast<std::uint8_t const* const*>(tr.rows), tr.sc});
+      f(int8_rows{tr.rows});
+    } else if constexpr (std::is_same_v<C, fp8_e4m3> || std::is_same_v<C, fp8_e5m2>) {
+      f(fp8_rows<std::is_same_v<C, fp8_e4m3>>{tr.rows, p.scale});
+    } else if constexpr (simd::kivi_value_traits<C>::value && C::group == 32 && 32 % W == 0) {
+      f(kivi_value_rows<C::bits>{tr.rows, C::group_channels(d)});
     } else {
       decoded<C>(src, p, d, t, m, tr, buffer, f);
     }
@@ -263,8 +327,9 @@ struct simd_attention {
                       tile_rows& tr, float* buffer, F&& f) noexcept {
     simd_codecs<V>::template decode_rows<C>(src.units + static_cast<std::size_t>(t) * src.unit_bytes, src.unit_bytes, m,
                                             d, buffer, d, p);
-    for (int r = 0; r < m; ++r) tr.rows[r] = buffer + static_cast<std::ptrdiff_t>(r) * d;
-    f(f32_rows{reinterpret_cast<float const* const*>(tr.rows)});
+    for (int r = 0; r < m; ++r)
+      tr.rows[r] = reinterpret_cast<std::uint8_t const*>(buffer + static_cast<std::ptrdiff_t>(r) * d);
+    f(f32_rows{tr.rows});
   }
 
   /// Calls f(loader) with an f16 loader for tokens [t, t + m) of the residual (ring) rows.
@@ -272,9 +337,9 @@ struct simd_attention {
   static void with_residual_rows(token_source const& src, int d, std::int64_t t, int m, tile_rows& tr, F&& f) noexcept {
     for (int r = 0; r < m; ++r) {
       std::int64_t const slot = (src.residual_first + (t + r - src.quantized)) % src.residual_capacity;
-      tr.rows[r] = src.residual + slot * d;
+      tr.rows[r] = reinterpret_cast<std::uint8_t const*>(src.residual + slot * d);
     }
-    f(f16_rows{reinterpret_cast<std::uint16_t const* const*>(tr.rows)});
+    f(f16_rows{tr.rows});
   }
 
   /// Writes tokens t < m of a loader as f32 rows of d floats to y.
@@ -316,15 +381,33 @@ struct simd_attention {
     };
     using prep = decltype(k.prepare(0, 0));
     int c = 0;
-    for (; c + 32 <= d; c += 32) {  // whole 32-channel blocks: the scales prepared once
-      prep pr[NT];
-      for (int j = 0; j < NT; ++j) pr[j] = k.prepare(tj[j], c);
-      for (int w = 0; w < 32; w += W) step(c + w, pr);
-    }
-    for (; c + W <= d; c += W) {
-      prep pr[NT];
-      for (int j = 0; j < NT; ++j) pr[j] = k.prepare(tj[j], c);
-      step(c, pr);
+    if constexpr (NH == 1 && std::is_same_v<prep, no_prep>) {
+      // One head: walk the rows in memory order (token by token), which the hardware prefetchers
+      // follow; the W accumulator chains still interleave.
+      int const full = d - d % W;
+      for (int j = 0; j < NT; ++j) {
+        int cc = 0;
+        for (; cc + 4 * W <= full; cc += 4 * W) {
+          vf a0 = V::fma(V::load(qh + cc), k.load(tj[j], cc, no_prep{}), acc[j]);
+          vf a1 = V::mul_c(V::load(qh + cc + W), k.load(tj[j], cc + W, no_prep{}));
+          a0 = V::fma(V::load(qh + cc + 2 * W), k.load(tj[j], cc + 2 * W, no_prep{}), a0);
+          a1 = V::fma(V::load(qh + cc + 3 * W), k.load(tj[j], cc + 3 * W, no_prep{}), a1);
+          acc[j] = V::add(a0, a1);
+        }
+        for (; cc < full; cc += W) acc[j] = V::fma(V::load(qh + cc), k.load(tj[j], cc, no_prep{}), acc[j]);
+      }
+      c = full;
+    } else {
+      for (; c + 32 <= d; c += 32) {  // whole 32-channel blocks: the scales prepared once
+        prep pr[NT];
+        for (int j = 0; j < NT; ++j) pr[j] = k.prepare(tj[j], c);
+        for (int w = 0; w < 32; w += W) step(c + w, pr);
+      }
+      for (; c + W <= d; c += W) {
+        prep pr[NT];
+        for (int j = 0; j < NT; ++j) pr[j] = k.prepare(tj[j], c);
+        step(c, pr);
+      }
     }
     alignas(64) float sums[W];
     V::store(sums, V::reduce_lanes(acc));
@@ -487,8 +570,9 @@ struct simd_attention {
           kivi_logits<KC>(tp, d, q, call.group, first, m, i, logits, s.scaled.data());
         } else {
           simd_codecs<V>::template decode_tile_tokens<KC>(tp, d, first, m, s.keys.data(), d, kp);
-          for (int r = 0; r < m; ++r) tr.rows[r] = s.keys.data() + static_cast<std::ptrdiff_t>(r) * d;
-          dot_rows(q, d, call.group, f32_rows{reinterpret_cast<float const* const*>(tr.rows)}, m, i, logits);
+          for (int r = 0; r < m; ++r)
+            tr.rows[r] = reinterpret_cast<std::uint8_t const*>(s.keys.data() + static_cast<std::ptrdiff_t>(r) * d);
+          dot_rows(q, d, call.group, f32_rows{tr.rows}, m, i, logits);
         }
         i += m;
       } else {
@@ -507,13 +591,16 @@ struct simd_attention {
         }
         with_quantized_rows<KC>(k, kp, d, t, m, tr, s.keys.data(), [&](auto const& rows) {
           using loader = std::decay_t<decltype(rows)>;
-          if constexpr (std::is_same_v<decltype(rows.prepare(0, 0)), no_prep>) {
+          constexpr int H4 = W >= 4 ? 4 : W;
+          if (std::is_same_v<decltype(rows.prepare(0, 0)), no_prep> || call.group % H4 == 0) {
+            // Each key vector decoded in registers once for H4 heads (W / H4 tokens at a time).
             dot_rows(q, d, call.group, rows, m, i, logits);
           } else {  // scaled codes: decode once into the f32 tile (the dot's registers go to the tokens)
             float* const buf = s.keys.data();
             decode_rows<loader>(rows, m, d, buf);
-            float const* ptrs[T];
-            for (int r = 0; r < m; ++r) ptrs[r] = buf + static_cast<std::ptrdiff_t>(r) * d;
+            std::uint8_t const* ptrs[T];
+            for (int r = 0; r < m; ++r)
+              ptrs[r] = reinterpret_cast<std::uint8_t const*>(buf + static_cast<std::ptrdiff_t>(r) * d);
             dot_rows(q, d, call.group, f32_rows{ptrs}, m, i, logits);
           }
         });
@@ -729,8 +816,8 @@ struct simd_attention {
       std::int64_t const tb = t0;
       int const n = static_cast<int>(std::min(end, t0 + T) - tb);
       prefetch_tile(k, KC::geometry(d).tokens, tb + n, std::min<std::int64_t>(end - tb - n, T));
-      prefetch_tile(v, 1, tb + n, std::min<std::int64_t>(end - tb - n, T));
       tile_logits<KC>(k, kp, call, q, qb, tb, n, s, tr);
+      prefetch_tile(v, 1, tb + n, std::min<std::int64_t>(end - tb - n, T));
       // Softmax per head; heads with a NaN or infinite logit take the per-token path below.
       bool any_special = false;
       for (int h = 0; h < group; ++h) {

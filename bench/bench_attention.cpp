@@ -1,0 +1,320 @@
+// kvq benchmark: decode attention of one query token per codec through the public entries
+// (kvq::decode_attention for 1 thread, kvq::decode_attention_parallel for 2), and the machine
+// figures of its roofline measured in the same binary: read-only bandwidth and the f32 FMA and
+// int8 dot-product peaks, each with 1 and 2 threads.
+//
+// Shapes: gqa = 32 query / 8 KV heads, mha = 32 / 32; head_dim 128; contexts 512, 4k, 16k, 32k;
+// KIVI at G = 32, R = 128. Every codec runs with the default options (f32 query); q8_0, q4_0 and
+// int8 also run with query_precision::q8_0 (integer q·K), named <codec>+q8q.
+//
+// Working set: each (codec, shape, context) builds one cache of L layers holding N(0,1) keys (four
+// outlier channels ×10) and values, L chosen so the K and V bytes attended over all layers are at
+// least twice the last-level cache (--kvq_working_set_mib=N overrides that floor, for smoke tests);
+// iteration i attends layer i mod L, so no result comes from cache. The cache is built once outside
+// the timing, shared by the runs of that (codec, shape, context), and freed before the next is built.
+//
+// Counters per call: kv_bytes (K and V bytes stored for the attended tokens: codec bytes with their
+// scales, KIVI's f16 residual rows as f16), qk_macs and pv_macs (q_heads × context × head_dim
+// multiply-adds each), qk_int8 (present, = 1, when q·K may run as int8 dot products: integer keys
+// with a q8_0 query), layers and working_set_bytes. Machine rows, run first and again last
+// (".../again"): machine/read (bytes_per_second over a buffer far beyond the caches), machine/fma
+// and machine/int8dot (macs_per_second).
+#include <kvq/attention.hpp>
+#include <kvq/cache.hpp>
+#include <kvq/codec/fp8.hpp>
+#include <kvq/codec/int8.hpp>
+#include <kvq/codec/kivi.hpp>
+#include <kvq/codec/passthrough.hpp>
+#include <kvq/codec/q4_0.hpp>
+#include <kvq/codec/q8_0.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+
+#include "bench_common.hpp"
+#include "machine_peaks.hpp"
+
+namespace kvq_bench {
+namespace {
+
+/// A head layout of the benchmark.
+struct shape_spec {
+  char const* name;
+  int q_heads;
+  int kv_heads;
+};
+
+constexpr shape_spec shapes[] = {{"gqa", 32, 8}, {"mha", 32, 32}};
+constexpr int contexts[] = {512, 4096, 16384, 32768};
+constexpr int thread_counts[] = {1, 2};
+constexpr int kivi_residual = 128;
+
+/// Bytes the K and V of all layers must at least span (twice the last-level cache by default).
+std::size_t g_working_set = 0;
+
+/// Tokens in the pool of synthetic keys and values that layers are filled from.
+constexpr std::int64_t pool_tokens = 1024;
+
+/// Token-major (pool_tokens, kv_heads, head_dim) keys and values of one head count.
+struct kv_pool {
+  std::vector<float> keys, values;
+};
+
+auto pool_for(int kv_heads) -> kv_pool const& {
+  static std::map<int, kv_pool> pools;
+  auto& p = pools[kv_heads];
+  if (p.keys.empty()) {
+    std::size_t const n = static_cast<std::size_t>(pool_tokens) * static_cast<std::size_t>(kv_heads) * head_dim;
+    p.keys.resize(n);
+    p.values.resize(n);
+    fill_normal(p.keys.data(), n, 11 + static_cast<std::uint64_t>(kv_heads));
+    add_outlier_channels(p.keys.data(), n, 10.0f);
+    fill_normal(p.values.data(), n, 23 + static_cast<std::uint64_t>(kv_heads));
+  }
+  return p;
+}
+
+/// K and V bytes stored for the tokens layer `layer` attends: encoded units with their scales,
+/// plus KIVI's f16 residual rows.
+template <class Cache>
+auto attended_bytes(Cache const& cache, int layer) -> std::size_t {
+  std::size_t total = 0;
+  for (int h = 0; h < cache.shape().kv_heads; ++h) {
+    for (kvq::storage_view const& v : {cache.key_storage(layer, h), cache.value_storage(layer, h)}) {
+      total += static_cast<std::size_t>(v.quantized_tokens / v.tokens_per_unit) * v.unit_bytes;
+      total += static_cast<std::size_t>(v.residual_tokens) * head_dim * 2;
+    }
+  }
+  return total;
+}
+
+/// The layers of one (codec, shape, context), type-erased for the registry.
+struct layer_set_base {
+  virtual ~layer_set_base() = default;
+};
+
+template <class Choice>
+struct layer_set final : layer_set_base {
+  using cache_type = kvq::QuantizedKVCache<Choice>;
+  layer_set(kvq::cache_shape const& shape, typename cache_type::options const& opt) : cache(shape, opt) {}
+  cache_type cache;
+  std::size_t kv_bytes = 0;  // attended K and V bytes of one layer
+};
+
+/// Builds the layers of (Choice, shape, context): enough layers for the working set, each filled
+/// with `context` tokens from the pool (from a different offset per layer), appended in parallel.
+template <class Choice>
+auto build_layers(shape_spec const& s, int context) -> std::unique_ptr<layer_set<Choice>> {
+  // Quantized bytes of a full layer; the attended bytes are at least this (residual rows are f16).
+  auto const plan = kvq::plan_memory<Choice>({1, s.kv_heads, head_dim, context}, kivi_residual);
+  std::size_t const per_layer = std::max<std::size_t>(plan.key_bytes + plan.value_bytes, 1);
+  int const layers = static_cast<int>(std::max<std::size_t>(1, (g_working_set + per_layer - 1) / per_layer));
+  typename layer_set<Choice>::cache_type::options opt;
+  opt.residual = kivi_residual;
+  auto set = std::make_unique<layer_set<Choice>>(kvq::cache_shape{layers, s.kv_heads, head_dim, context}, opt);
+
+  auto const& pool = pool_for(s.kv_heads);
+  std::int64_t const stride = static_cast<std::int64_t>(s.kv_heads) * head_dim;
+  int const workers = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
+  run_threads(std::min(workers, layers), [&](int w) {
+    for (int l = w; l < layers; l += workers) {
+      std::int64_t offset = (static_cast<std::int64_t>(l) * 389) % pool_tokens, done = 0;
+      while (done < context) {
+        std::int64_t const n = std::min<std::int64_t>(context - done, pool_tokens - offset);
+        set->cache.append(l, kvq::token_major(pool.keys.data() + offset * stride, n, s.kv_heads, head_dim),
+                          kvq::token_major(pool.values.data() + offset * stride, n, s.kv_heads, head_dim));
+        done += n;
+        offset = 0;
+      }
+    }
+  });
+  set->kv_bytes = attended_bytes(set->cache, 0);
+  return set;
+}
+
+/// The one live layer set: runs of the same (codec, shape, context) share it; a new key frees the
+/// old set before building the next, so only one working set is in memory at a time.
+template <class Choice>
+auto acquire_layers(std::string const& key, shape_spec const& s, int context) -> layer_set<Choice>& {
+  static std::string live_key;
+  static std::unique_ptr<layer_set_base> live;
+  if (live_key != key) {
+    live.reset();
+    live_key.clear();
+    live = build_layers<Choice>(s, context);
+    live_key = key;
+  }
+  return static_cast<layer_set<Choice>&>(*live);
+}
+
+template <class Choice>
+void bm_attention(benchmark::State& state, std::string const& key, shape_spec s, int context, int threads,
+                  kvq::query_precision precision, bool int8_keys) {
+  auto& set = acquire_layers<Choice>(key, s, context);
+  int const layers = set.cache.shape().layers;
+  std::vector<float> q(static_cast<std::size_t>(s.q_heads) * head_dim);
+  std::vector<float> out(q.size());
+  fill_normal(q.data(), q.size(), 99);
+  kvq::attention_options opt;
+  opt.query = precision;
+  int layer = 0;
+  for (auto _ : state) {
+    if (threads == 1) {
+      kvq::decode_attention(set.cache, layer, q.data(), s.q_heads, out.data(), opt);
+    } else {
+      kvq::decode_attention_parallel(set.cache, layer, q.data(), s.q_heads, out.data(), threads, opt);
+    }
+    float* result = out.data();
+    benchmark::DoNotOptimize(result);
+    benchmark::ClobberMemory();
+    if (++layer == layers) layer = 0;
+  }
+  double const macs = static_cast<double>(s.q_heads) * context * head_dim;
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(set.kv_bytes));
+  state.counters["kv_bytes"] = static_cast<double>(set.kv_bytes);
+  state.counters["qk_macs"] = macs;
+  state.counters["pv_macs"] = macs;
+  // Set only when true: Google Benchmark writes the variation of an all-zero counter as a bare NaN.
+  if (int8_keys && precision == kvq::query_precision::q8_0) state.counters["qk_int8"] = 1.0;
+  state.counters["layers"] = layers;
+  state.counters["working_set_bytes"] = static_cast<double>(set.kv_bytes) * layers;
+}
+
+/// Registers attention/<name>[+q8q]/<shape>/ctx:<context>/threads:<t> for every shape, context and
+/// thread count; the runs sharing one cache are registered next to each other.
+template <class Choice>
+void register_codec(std::string const& name, bool int8_keys) {
+  for (auto const& s : shapes) {
+    for (int context : contexts) {
+      std::string const key = name + "/" + s.name + "/" + std::to_string(context);
+      for (auto precision : {kvq::query_precision::f32, kvq::query_precision::q8_0}) {
+        if (precision == kvq::query_precision::q8_0 && !int8_keys) continue;
+        std::string const label = precision == kvq::query_precision::q8_0 ? name + "+q8q" : name;
+        for (int threads : thread_counts) {
+          std::string const bench = "attention/" + label + "/" + s.name + "/ctx:" + std::to_string(context) +
+                                    "/threads:" + std::to_string(threads);
+          benchmark::RegisterBenchmark(
+              bench.c_str(),
+              [=](benchmark::State& st) { bm_attention<Choice>(st, key, s, context, threads, precision, int8_keys); })
+              ->UseRealTime()
+              ->Unit(benchmark::kMillisecond);
+        }
+      }
+    }
+  }
+}
+
+/// A buffer far beyond the last-level cache for the read-only bandwidth.
+auto read_buffer() -> buffer& {
+  static buffer b(std::max<std::size_t>(256 * mib, 8 * llc_bytes()));
+  return b;
+}
+
+void bm_read(benchmark::State& state, int threads) {
+  auto& b = read_buffer();
+  std::size_t const chunk = b.size() / static_cast<std::size_t>(threads) / 4096 * 4096;
+  std::vector<std::uint64_t> sums(static_cast<std::size_t>(threads));
+  for (auto _ : state) {
+    run_threads(threads, [&](int t) {
+      sums[static_cast<std::size_t>(t)] = read_pass(b.data() + static_cast<std::size_t>(t) * chunk, chunk);
+    });
+    benchmark::DoNotOptimize(sums.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(chunk * static_cast<std::size_t>(threads)));
+}
+
+template <peak_result (*Loop)(std::int64_t)>
+void bm_peak(benchmark::State& state, int threads) {
+  constexpr std::int64_t rounds = std::int64_t{1} << 20;
+  std::vector<peak_result> results(static_cast<std::size_t>(threads));
+  double macs = 0;
+  for (auto _ : state) {
+    run_threads(threads, [&](int t) { results[static_cast<std::size_t>(t)] = Loop(rounds); });
+    for (auto const& r : results) macs += r.macs;
+    benchmark::DoNotOptimize(results.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["macs_per_second"] = benchmark::Counter(macs, benchmark::Counter::kIsRate);
+}
+
+/// Registers machine/read, machine/fma and machine/int8dot for 1 and 2 threads, names ending in
+/// `suffix`.
+void register_machine(std::string const& suffix) {
+  for (int threads : thread_counts) {
+    std::string const t = "/threads:" + std::to_string(threads) + suffix;
+    benchmark::RegisterBenchmark(("machine/read" + t).c_str(), [threads](benchmark::State& s) { bm_read(s, threads); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("machine/fma" + t).c_str(),
+                                 [threads](benchmark::State& s) { bm_peak<fma_peak_loop>(s, threads); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("machine/int8dot" + t).c_str(),
+                                 [threads](benchmark::State& s) { bm_peak<int8_peak_loop>(s, threads); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
+/// The machine figures first and again last (the summary keeps the better of the two, as other
+/// load on the machine can only lower them), the attention runs in between.
+void register_all() {
+  register_machine("");
+  register_codec<kvq::f32_codec>("f32", false);
+  register_codec<kvq::f16_codec>("f16", false);
+  register_codec<kvq::q4_0>("q4_0", true);
+  register_codec<kvq::q8_0>("q8_0", true);
+  register_codec<kvq::int8_sym>("int8", true);
+  register_codec<kvq::fp8_e4m3>("fp8_e4m3", false);
+  register_codec<kvq::fp8_e5m2>("fp8_e5m2", false);
+  register_codec<kvq::kivi<2, 32>>("kivi2", false);
+  register_codec<kvq::kivi<4, 32>>("kivi4", false);
+  register_codec<kvq::kivi<8, 32>>("kivi8", false);
+  register_machine("/again");
+}
+
+/// Takes --kvq_working_set_mib=N out of argv (Google Benchmark rejects flags it does not know).
+void parse_own_flags(int& argc, char** argv) {
+  constexpr std::string_view flag = "--kvq_working_set_mib=";
+  g_working_set = 2 * llc_bytes();
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view const arg = argv[i];
+    if (arg.substr(0, flag.size()) == flag) {
+      g_working_set = static_cast<std::size_t>(std::strtoull(argv[i] + flag.size(), nullptr, 10)) * mib;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+}
+
+}  // namespace
+}  // namespace kvq_bench
+
+int main(int argc, char** argv) {
+  kvq_bench::parse_own_flags(argc, argv);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  kvq_bench::add_machine_context();
+  benchmark::AddCustomContext("kvq_suite", "attention");
+  benchmark::AddCustomContext("working_set_min_bytes", std::to_string(kvq_bench::g_working_set));
+  benchmark::AddCustomContext("fma_kind", kvq_bench::fma_peak_kind());
+  benchmark::AddCustomContext("int8_kind", kvq_bench::int8_peak_kind());
+  kvq_bench::register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

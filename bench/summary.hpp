@@ -1,0 +1,825 @@
+// kvq benchmarks: the summariser behind bench/run.sh. It reads the Google Benchmark JSON of the
+// codec and attention suites and turns it into encode/decode percentages of memcpy, attention
+// times against this machine's roofline and the f16 cache, target checks, the --json document and
+// bench/README.md. Everything here is a pure function of the benchmark JSON.
+#pragma once
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace kvq_bench::summary {
+
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;  // output documents keep their keys in schema order
+
+/// Codec names (DESIGN §8) in the order every table uses.
+inline std::vector<std::string> const codec_names = {"f32",      "f16",      "q4_0",  "q8_0",  "int8",
+                                                     "fp8_e4m3", "fp8_e5m2", "kivi2", "kivi4", "kivi8"};
+
+/// The size whose encode/decode figures feed the JSON and the targets.
+inline constexpr std::string_view target_size = "256MiB";
+
+/// One benchmark's median repetition: real time per iteration and every numeric counter.
+struct run {
+  double seconds = 0;
+  std::map<std::string, double> counters;
+
+  /// The counter `key`, if the benchmark reported it.
+  auto counter(std::string const& key) const -> std::optional<double> {
+    auto const it = counters.find(key);
+    return it == counters.end() ? std::nullopt : std::optional<double>(it->second);
+  }
+};
+
+/// One suite's output: medians by benchmark name (without "/real_time") and its context.
+struct suite {
+  std::map<std::string, run> runs;
+  json context = json::object();
+};
+
+/// Seconds per unit of a Google Benchmark time_unit ("ns", "us", "ms", "s").
+inline auto unit_seconds(std::string const& unit) -> double {
+  if (unit == "ns") return 1e-9;
+  if (unit == "us") return 1e-6;
+  if (unit == "ms") return 1e-3;
+  return 1.0;
+}
+
+namespace detail {
+
+inline auto median(std::vector<double> v) -> double {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  std::size_t const n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+inline auto strip_real_time(std::string name) -> std::string {
+  constexpr std::string_view suffix = "/real_time";
+  if (name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+    name.resize(name.size() - suffix.size());
+  return name;
+}
+
+/// A benchmark entry's time and numeric counters (the fields Google Benchmark itself writes
+/// are not counters).
+inline auto parse_entry(json const& e) -> run {
+  static std::set<std::string> const fixed = {"family_index", "per_family_instance_index",
+                                              "repetitions",  "repetition_index",
+                                              "threads",      "iterations",
+                                              "real_time",    "cpu_time"};
+  run r;
+  r.seconds = e.value("real_time", 0.0) * unit_seconds(e.value("time_unit", std::string("ns")));
+  for (auto const& [key, value] : e.items())
+    if (value.is_number() && fixed.count(key) == 0) r.counters[key] = value.get<double>();
+  return r;
+}
+
+}  // namespace detail
+
+/// Parses Google Benchmark JSON, reading the bare NaN / Inf it writes for some statistics (the
+/// coefficient of variation of a zero counter) as null.
+inline auto parse_benchmark_json(std::string const& text) -> json {
+  std::string clean;
+  clean.reserve(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    clean += text[i];
+    if (text[i] != ':') continue;
+    std::size_t j = i + 1;
+    while (j < text.size() && (text[j] == ' ' || text[j] == '\t')) ++j;
+    std::size_t k = j < text.size() && (text[j] == '-' || text[j] == '+') ? j + 1 : j;
+    std::size_t end = k;
+    while (end < text.size() && std::isalpha(static_cast<unsigned char>(text[end]))) ++end;
+    std::string word = text.substr(k, end - k);
+    for (auto& ch : word) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (word == "nan" || word == "inf" || word == "infinity") {
+      clean += " null";
+      i = end - 1;
+    }
+  }
+  return json::parse(clean);
+}
+
+/// Reads one suite's JSON: the "median" aggregate of each benchmark when repetitions were run,
+/// else the median of its plain runs; failed runs are skipped.
+inline auto load_suite(json const& j) -> suite {
+  suite s;
+  if (j.contains("context") && j["context"].is_object()) s.context = j["context"];
+  std::map<std::string, run> medians;
+  std::map<std::string, std::vector<run>> plain;
+  for (auto const& e : j.value("benchmarks", json::array())) {
+    if (e.value("error_occurred", false)) continue;
+    std::string const name = detail::strip_real_time(e.value("run_name", e.value("name", std::string())));
+    if (e.value("run_type", std::string("iteration")) == "aggregate") {
+      if (e.value("aggregate_name", std::string()) == "median") medians[name] = detail::parse_entry(e);
+    } else {
+      plain[name].push_back(detail::parse_entry(e));
+    }
+  }
+  for (auto const& [name, runs] : plain) {
+    if (medians.count(name) != 0) continue;
+    run m;
+    std::vector<double> times;
+    std::map<std::string, std::vector<double>> counters;
+    for (auto const& r : runs) {
+      times.push_back(r.seconds);
+      for (auto const& [k, v] : r.counters) counters[k].push_back(v);
+    }
+    m.seconds = detail::median(times);
+    for (auto const& [k, v] : counters) m.counters[k] = detail::median(v);
+    medians[name] = m;
+  }
+  s.runs = std::move(medians);
+  return s;
+}
+
+/// The machine figures of the roofline, by thread count: read-only bandwidth (bytes/s) and the
+/// f32 FMA and int8 dot-product peaks (multiply-adds/s).
+struct machine {
+  std::map<int, double> read_bytes_per_s;
+  std::map<int, double> fma_macs_per_s;
+  std::map<int, double> int8_macs_per_s;
+};
+
+/// Reads machine/read, machine/fma and machine/int8dot (threads:N, measured more than once when
+/// names differ after N, e.g. ".../again") from the attention suite, keeping the highest figure of
+/// each: other load on the machine can only lower them.
+inline auto machine_of(suite const& s) -> machine {
+  machine m;
+  auto const keep = [](std::map<int, double>& figures, int threads, std::optional<double> v) {
+    if (v && *v > figures[threads]) figures[threads] = *v;
+  };
+  for (auto const& [name, r] : s.runs) {
+    auto const at = name.find("/threads:");
+    if (name.rfind("machine/", 0) != 0 || at == std::string::npos) continue;
+    int const threads = std::atoi(name.c_str() + at + 9);
+    std::string const what = name.substr(8, at - 8);
+    if (threads <= 0) continue;
+    if (what == "read") keep(m.read_bytes_per_s, threads, r.counter("bytes_per_second"));
+    if (what == "fma") keep(m.fma_macs_per_s, threads, r.counter("macs_per_second"));
+    if (what == "int8dot") keep(m.int8_macs_per_s, threads, r.counter("macs_per_second"));
+  }
+  return m;
+}
+
+/// What one attention call reads and computes.
+struct attention_work {
+  double kv_bytes = 0;   ///< K and V bytes stored for the attended tokens
+  double qk_macs = 0;    ///< multiply-adds of q·K
+  double pv_macs = 0;    ///< multiply-adds of p·V
+  bool qk_int8 = false;  ///< q·K as int8 dot products (else f32 FMAs)
+};
+
+/// Roofline time of one call in seconds: max(bytes / read bandwidth, q·K ops / their peak + p·V
+/// FMAs / the FMA peak); nullopt when a figure of the machine is missing or zero.
+inline auto roofline_seconds(attention_work const& w, double read_bytes_per_s, double fma_macs_per_s,
+                             double int8_macs_per_s) -> std::optional<double> {
+  double const qk_peak = w.qk_int8 ? int8_macs_per_s : fma_macs_per_s;
+  if (!(read_bytes_per_s > 0) || !(fma_macs_per_s > 0) || !(qk_peak > 0)) return std::nullopt;
+  double const memory = w.kv_bytes / read_bytes_per_s;
+  double const compute = w.qk_macs / qk_peak + w.pv_macs / fma_macs_per_s;
+  return std::max(memory, compute);
+}
+
+/// A percentage clamped to [0, 100].
+inline auto percent(double part, double whole) -> double {
+  if (!(whole > 0) || !(part >= 0)) return 0.0;
+  return std::clamp(100.0 * part / whole, 0.0, 100.0);
+}
+
+/// Encode/decode figures of one entry (a codec, or KIVI keys "kivi4.k" / values "kivi4.v") at one size.
+struct codec_rate {
+  std::string entry;
+  std::string size;
+  double bytes = 0;  ///< f32 bytes + encoded bytes per pass
+  std::optional<double> encode_s, decode_s, memcpy_s, read_s;
+};
+
+/// The JSON figures of one codec: encode and decode at 256 MiB as % of memcpy over the same bytes.
+struct codec_summary {
+  std::string codec;
+  std::optional<double> encode_pct, decode_pct;
+};
+
+/// One attention benchmark against its roofline and the f16 cache.
+struct attention_row {
+  std::string codec;      ///< DESIGN §8 name
+  bool q8_query = false;  ///< run with query_precision::q8_0 ("<codec>+q8q")
+  std::string shape;      ///< "gqa" or "mha"
+  int context = 0;
+  int threads = 0;
+  double seconds = 0;  ///< median time per call
+  attention_work work;
+  std::optional<double> roofline_s;
+  bool memory_bound = false;
+  std::optional<double> speedup_vs_f16;
+
+  auto label() const -> std::string { return q8_query ? codec + "+q8q" : codec; }
+  auto pct_roofline() const -> std::optional<double> {
+    if (!roofline_s) return std::nullopt;
+    return percent(*roofline_s, seconds);
+  }
+};
+
+/// The kinds of target (DESIGN §7 and the benchmark issue).
+enum class target_kind {
+  memcpy,      ///< encode / decode at 256 MiB ≥ 80 % of memcpy
+  roofline,    ///< attention at 16k and 32k ≥ 70 % of the roofline
+  not_slower,  ///< quantized codecs not slower than the f16 cache at any context
+  mha16k,      ///< mha, 16k, 1 thread: a codec's minimum speed-up over f16
+};
+
+/// One target check.
+struct target_result {
+  target_kind kind = target_kind::memcpy;
+  std::string subject;      ///< e.g. "encode q4_0 256 MiB", "attention q4_0 mha 16384 1t"
+  std::string requirement;  ///< e.g. "≥ 3× f16"
+  std::string measured;     ///< e.g. "2.41×"
+  bool met = false;
+
+  auto what() const -> std::string { return subject + ": " + requirement; }
+};
+
+/// Everything the outputs print.
+struct summary {
+  machine mach;
+  json codecs_context = json::object();
+  json attention_context = json::object();
+  std::vector<codec_rate> rates;
+  std::vector<codec_summary> codecs;
+  std::vector<attention_row> attention;
+  std::vector<target_result> targets;
+};
+
+namespace detail {
+
+inline auto format(char const* spec, double x) -> std::string {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, spec, x);
+  return buf;
+}
+
+/// "q4_0" for "q4_0", "kivi4" for "kivi4.k".
+inline auto codec_of_entry(std::string const& entry) -> std::string { return entry.substr(0, entry.find('.')); }
+
+inline auto codec_rank(std::string const& codec) -> std::size_t {
+  auto const it = std::find(codec_names.begin(), codec_names.end(), codec);
+  return static_cast<std::size_t>(it - codec_names.begin());
+}
+
+/// Parses "attention/<codec>[+q8q]/<shape>/ctx:<n>/threads:<t>".
+inline auto parse_attention_name(std::string const& name, attention_row& row) -> bool {
+  std::vector<std::string> parts;
+  std::stringstream in(name);
+  for (std::string p; std::getline(in, p, '/');) parts.push_back(p);
+  if (parts.size() != 5 || parts[0] != "attention" || parts[3].rfind("ctx:", 0) != 0 ||
+      parts[4].rfind("threads:", 0) != 0)
+    return false;
+  row.codec = parts[1];
+  if (row.codec.size() > 4 && row.codec.compare(row.codec.size() - 4, 4, "+q8q") == 0) {
+    row.q8_query = true;
+    row.codec.resize(row.codec.size() - 4);
+  }
+  row.shape = parts[2];
+  row.context = std::stoi(parts[3].substr(4));
+  row.threads = std::stoi(parts[4].substr(8));
+  return true;
+}
+
+/// The minimum speed-up over the f16 cache at mha, 16k, 1 thread, where one is set.
+inline auto mha16k_speedup_target(std::string const& codec) -> std::optional<double> {
+  if (codec == "kivi2") return 4.0;
+  if (codec == "q4_0" || codec == "kivi4") return 3.0;
+  if (codec == "q8_0" || codec == "int8" || codec == "fp8_e4m3" || codec == "fp8_e5m2") return 1.8;
+  return std::nullopt;
+}
+
+}  // namespace detail
+
+/// The targets one attention row is checked against, with their outcome.
+inline auto attention_targets(attention_row const& r) -> std::vector<target_result> {
+  std::vector<target_result> out;
+  std::string const where = "attention " + r.label() + " " + r.shape + " " + std::to_string(r.context) + " " +
+                            std::to_string(r.threads) + "t";
+  if (r.context >= 16384) {
+    auto const pct = r.pct_roofline();
+    out.push_back({target_kind::roofline, where, "≥ 70 % of roofline", pct ? detail::format("%.1f %%", *pct) : "n/a",
+                   pct && *pct >= 70.0});
+  }
+  bool const baseline = r.codec == "f16" || r.codec == "f32";
+  if (!baseline && r.speedup_vs_f16) {
+    out.push_back({target_kind::not_slower, where, "not slower than f16", detail::format("%.2f×", *r.speedup_vs_f16),
+                   *r.speedup_vs_f16 >= 1.0});
+  }
+  if (r.shape == "mha" && r.context == 16384 && r.threads == 1) {
+    if (auto const need = detail::mha16k_speedup_target(r.codec)) {
+      double const got = r.speedup_vs_f16.value_or(0.0);
+      out.push_back({target_kind::mha16k, where, "≥ " + detail::format("%g", *need) + "× f16",
+                     r.speedup_vs_f16 ? detail::format("%.2f×", got) : "n/a", got >= *need});
+    }
+  }
+  return out;
+}
+
+/// Summarises the two suites (either may be empty).
+inline auto summarise(suite const& codecs, suite const& attention) -> summary {
+  summary s;
+  s.codecs_context = codecs.context;
+  s.attention_context = attention.context;
+  s.mach = machine_of(attention);
+
+  // Encode/decode: one rate per (entry, size), in codec order, 256 MiB first.
+  std::map<std::pair<std::string, std::string>, codec_rate> rates;
+  for (auto const& [name, r] : codecs.runs) {
+    auto const a = name.find('/'), b = name.rfind('/');
+    if (a == std::string::npos || b == a) continue;
+    std::string const op = name.substr(0, a), entry = name.substr(a + 1, b - a - 1), size = name.substr(b + 1);
+    auto& rate = rates[{entry, size}];
+    rate.entry = entry;
+    rate.size = size;
+    if (auto bytes = r.counter("bytes")) rate.bytes = *bytes;
+    if (op == "encode") rate.encode_s = r.seconds;
+    if (op == "decode") rate.decode_s = r.seconds;
+    if (op == "memcpy") rate.memcpy_s = r.seconds;
+    if (op == "read") rate.read_s = r.seconds;
+  }
+  for (auto& [key, rate] : rates) s.rates.push_back(rate);
+  std::stable_sort(s.rates.begin(), s.rates.end(), [](codec_rate const& x, codec_rate const& y) {
+    auto const rx = detail::codec_rank(detail::codec_of_entry(x.entry)),
+               ry = detail::codec_rank(detail::codec_of_entry(y.entry));
+    if (rx != ry) return rx < ry;
+    if (x.size != y.size) return x.size == target_size;
+    return x.entry < y.entry;
+  });
+
+  // Attention rows, then speed-ups against the f16 row of the same shape, context and threads.
+  for (auto const& [name, r] : attention.runs) {
+    attention_row row;
+    if (!detail::parse_attention_name(name, row)) continue;
+    row.seconds = r.seconds;
+    row.work.kv_bytes = r.counter("kv_bytes").value_or(0.0);
+    row.work.qk_macs = r.counter("qk_macs").value_or(0.0);
+    row.work.pv_macs = r.counter("pv_macs").value_or(0.0);
+    row.work.qk_int8 = r.counter("qk_int8").value_or(0.0) > 0.5;
+    auto const find = [](std::map<int, double> const& m, int t) { return m.count(t) ? m.at(t) : 0.0; };
+    row.roofline_s =
+        roofline_seconds(row.work, find(s.mach.read_bytes_per_s, row.threads), find(s.mach.fma_macs_per_s, row.threads),
+                         find(s.mach.int8_macs_per_s, row.threads));
+    if (row.roofline_s) {
+      double const memory = row.work.kv_bytes / find(s.mach.read_bytes_per_s, row.threads);
+      row.memory_bound = memory >= *row.roofline_s;
+    }
+    s.attention.push_back(row);
+  }
+  for (auto& row : s.attention) {
+    for (auto const& f16 : s.attention) {
+      if (f16.codec == "f16" && !f16.q8_query && f16.shape == row.shape && f16.context == row.context &&
+          f16.threads == row.threads && row.seconds > 0)
+        row.speedup_vs_f16 = f16.seconds / row.seconds;
+    }
+  }
+  std::stable_sort(s.attention.begin(), s.attention.end(), [](attention_row const& x, attention_row const& y) {
+    auto const kx = std::make_tuple(detail::codec_rank(x.codec), x.q8_query, x.shape, x.context, x.threads);
+    auto const ky = std::make_tuple(detail::codec_rank(y.codec), y.q8_query, y.shape, y.context, y.threads);
+    return kx < ky;
+  });
+
+  // Per codec: encode/decode % of memcpy at 256 MiB (KIVI: keys and values together, as the time
+  // memcpy needs for both byte counts over the time the codec needs for both).
+  for (auto const& codec : codec_names) {
+    codec_summary c;
+    c.codec = codec;
+    double enc = 0, dec = 0, copy = 0;
+    bool complete_enc = true, complete_dec = true, any = false;
+    for (auto const& rate : s.rates) {
+      if (detail::codec_of_entry(rate.entry) != codec || rate.size != target_size) continue;
+      any = true;
+      complete_enc = complete_enc && rate.encode_s && rate.memcpy_s;
+      complete_dec = complete_dec && rate.decode_s && rate.memcpy_s;
+      enc += rate.encode_s.value_or(0.0);
+      dec += rate.decode_s.value_or(0.0);
+      copy += rate.memcpy_s.value_or(0.0);
+    }
+    if (any && complete_enc) c.encode_pct = percent(copy, enc);
+    if (any && complete_dec) c.decode_pct = percent(copy, dec);
+    bool const has_attention =
+        std::any_of(s.attention.begin(), s.attention.end(), [&](attention_row const& r) { return r.codec == codec; });
+    if (any || has_attention) s.codecs.push_back(c);
+  }
+
+  // Targets.
+  for (auto const& c : s.codecs) {
+    for (auto const& [op, pct] : {std::pair{"encode", c.encode_pct}, std::pair{"decode", c.decode_pct}}) {
+      if (!pct) continue;
+      s.targets.push_back({target_kind::memcpy, std::string(op) + " " + c.codec + " 256 MiB", "≥ 80 % of memcpy",
+                           detail::format("%.1f %%", *pct), *pct >= 80.0});
+    }
+  }
+  for (auto const& row : s.attention)
+    for (auto& t : attention_targets(row)) s.targets.push_back(std::move(t));
+  return s;
+}
+
+namespace detail {
+
+/// x rounded to `digits` significant digits (compact JSON numbers).
+inline auto round_sig(double x, int digits) -> double {
+  if (x == 0 || !std::isfinite(x)) return x;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*g", digits, x);
+  return std::strtod(buf, nullptr);
+}
+
+inline auto optional_number(std::optional<double> x, int digits) -> ordered_json {
+  return x ? ordered_json(round_sig(*x, digits)) : ordered_json(nullptr);
+}
+
+inline auto attention_json(attention_row const& r) -> ordered_json {
+  return {{"shape", r.shape},
+          {"context", r.context},
+          {"threads", r.threads},
+          {"time_ms", round_sig(r.seconds * 1e3, 5)},
+          {"roofline_ms", optional_number(r.roofline_s ? std::optional(*r.roofline_s * 1e3) : std::nullopt, 5)},
+          {"pct_roofline", optional_number(r.pct_roofline(), 4)},
+          {"speedup_vs_f16", optional_number(r.speedup_vs_f16, 4)}};
+}
+
+inline auto per_threads(std::map<int, double> const& m, double scale) -> ordered_json {
+  ordered_json out = ordered_json::object();
+  for (auto const& [t, v] : m) out[std::to_string(t)] = round_sig(v * scale, 4);
+  return out;
+}
+
+}  // namespace detail
+
+/// The --json document: {"codecs": [{"codec", "encode_pct_memcpy", "decode_pct_memcpy",
+/// "attention": [{"shape", "context", "threads", "time_ms", "roofline_ms", "pct_roofline",
+/// "speedup_vs_f16"}]}]}, plus "attention_q8_query" (the +q8q runs, same layout), "machine" and
+/// "targets" at top level.
+inline auto to_json(summary const& s) -> ordered_json {
+  ordered_json codecs = ordered_json::array(), q8 = ordered_json::array();
+  for (auto const& c : s.codecs) {
+    ordered_json rows = ordered_json::array(), q8_rows = ordered_json::array();
+    for (auto const& r : s.attention) {
+      if (r.codec != c.codec) continue;
+      (r.q8_query ? q8_rows : rows).push_back(detail::attention_json(r));
+    }
+    codecs.push_back({{"codec", c.codec},
+                      {"encode_pct_memcpy", detail::optional_number(c.encode_pct, 4)},
+                      {"decode_pct_memcpy", detail::optional_number(c.decode_pct, 4)},
+                      {"attention", rows}});
+    if (!q8_rows.empty()) q8.push_back({{"codec", c.codec}, {"attention", q8_rows}});
+  }
+  ordered_json failed = ordered_json::array();
+  std::size_t met = 0;
+  for (auto const& t : s.targets) {
+    if (t.met) {
+      ++met;
+    } else {
+      failed.push_back(t.what() + " (measured " + t.measured + ")");
+    }
+  }
+  json const& ctx = s.attention_context.empty() ? s.codecs_context : s.attention_context;
+  ordered_json mach = {{"cpu_model", ctx.value("cpu_model", std::string("unknown"))},
+                       {"num_cpus", ctx.value("num_cpus", 0)},
+                       {"llc_bytes", ctx.value("llc_bytes", std::string())},
+                       {"compiler", ctx.value("compiler", std::string())},
+                       {"kvq_simd_level", ctx.value("kvq_simd_level", std::string())},
+                       {"date", ctx.value("date", std::string())},
+                       {"read_gb_per_s", detail::per_threads(s.mach.read_bytes_per_s, 1e-9)},
+                       {"fma_gmacs_per_s", detail::per_threads(s.mach.fma_macs_per_s, 1e-9)},
+                       {"int8_gmacs_per_s", detail::per_threads(s.mach.int8_macs_per_s, 1e-9)}};
+  return {{"codecs", codecs},
+          {"attention_q8_query", q8},
+          {"machine", mach},
+          {"targets", {{"met", met}, {"total", s.targets.size()}, {"missed", failed}}}};
+}
+
+namespace detail {
+
+inline auto gbps(std::optional<double> seconds, double bytes) -> std::string {
+  return seconds && *seconds > 0 ? format("%.1f", bytes / *seconds / 1e9) : "—";
+}
+inline auto pct_text(std::optional<double> part, std::optional<double> whole) -> std::string {
+  return part && whole ? format("%.1f", percent(*part, *whole)) : "—";
+}
+inline auto ms_text(double seconds) -> std::string {
+  double const ms = seconds * 1e3;
+  return format(ms < 1 ? "%.3f" : ms < 100 ? "%.2f" : "%.1f", ms);
+}
+inline auto check_text(std::vector<target_result> const& checks) -> std::string {
+  if (checks.empty()) return "";
+  std::string out;
+  for (auto const& c : checks) {
+    if (c.met) continue;
+    out += out.empty() ? "✗ " : ", ";
+    out += c.requirement;
+  }
+  return out.empty() ? "✓" : out;
+}
+inline auto machine_line(summary const& s) -> std::string {
+  std::string line;
+  auto const add = [&](char const* what, std::map<int, double> const& m, char const* unit) {
+    if (m.empty()) return;
+    line += line.empty() ? "" : "; ";
+    line += what;
+    for (auto const& [t, v] : m) line += " " + format("%.1f", v / 1e9) + (t == m.rbegin()->first ? "" : " /");
+    line += std::string(" ") + unit + " (";
+    for (auto const& [t, v] : m) line += std::to_string(t) + (t == m.rbegin()->first ? "" : " / ");
+    line += " threads)";
+  };
+  add("read", s.mach.read_bytes_per_s, "GB/s");
+  add("f32 FMA", s.mach.fma_macs_per_s, "GMAC/s");
+  add("int8 dot", s.mach.int8_macs_per_s, "GMAC/s");
+  return line;
+}
+
+/// "memcpy 21.3 GB/s, read-only pass 19.8 GB/s" at one size: medians over the codecs' runs, bytes
+/// read + written (memcpy) or read (pass); empty when the codec suite did not run at that size.
+inline auto memcpy_line(summary const& s, std::string_view size) -> std::string {
+  std::vector<double> copy, read;
+  for (auto const& r : s.rates) {
+    if (r.size != size || !(r.bytes > 0)) continue;
+    if (r.memcpy_s && *r.memcpy_s > 0) copy.push_back(r.bytes / *r.memcpy_s);
+    if (r.read_s && *r.read_s > 0) read.push_back(r.bytes / *r.read_s);
+  }
+  if (copy.empty() || read.empty()) return "";
+  return "memcpy " + format("%.1f", median(copy) / 1e9) + " GB/s, read-only pass " +
+         format("%.1f", median(read) / 1e9) + " GB/s";
+}
+
+/// The target checks grouped by kind: how many were met, the misses of encode/decode and every
+/// mha-16k speed-up (the table rows mark the other misses). Lines start with `bullet`.
+inline void print_targets(summary const& s, std::ostream& os, std::string const& bullet) {
+  std::size_t met = 0;
+  for (auto const& t : s.targets) met += t.met ? 1 : 0;
+  os << "Targets: " << met << " of " << s.targets.size() << " checks met.\n";
+  struct group {
+    target_kind kind;
+    char const* title;
+    bool list_met;   // list every check, met or not
+    bool list_miss;  // list the missed checks
+  };
+  constexpr group groups[] = {
+      {target_kind::memcpy, "encode/decode at 256 MiB ≥ 80 % of memcpy", false, true},
+      {target_kind::roofline, "attention at 16k and 32k ≥ 70 % of the roofline (✗ in the attention rows)", false,
+       false},
+      {target_kind::not_slower, "quantized codecs not slower than f16, every context (✗ in the attention rows)", false,
+       false},
+      {target_kind::mha16k, "mha, 16k, 1 thread: speed-up over f16", true, true},
+  };
+  if (!s.targets.empty() && bullet == "- ") os << "\n";
+  for (auto const& g : groups) {
+    std::size_t n = 0, ok = 0;
+    std::string list;
+    for (auto const& t : s.targets) {
+      if (t.kind != g.kind) continue;
+      ++n;
+      ok += t.met ? 1 : 0;
+      if ((t.met && g.list_met) || (!t.met && g.list_miss)) {
+        list += list.empty() ? "" : ", ";
+        std::string subject = t.subject;
+        if (g.kind == target_kind::mha16k) subject = subject.substr(10, subject.find(' ', 10) - 10);  // the codec
+        list += subject + " " + t.measured + " (" + t.requirement + ") " + (t.met ? "✓" : "✗");
+      }
+    }
+    if (n == 0) continue;
+    os << bullet << g.title << ": " << ok << " of " << n << " met" << (list.empty() ? "" : "; " + list) << "\n";
+  }
+}
+
+/// A plain-text table: columns padded to their widest cell (UTF-8 aware), numbers right-aligned.
+class text_table {
+ public:
+  explicit text_table(std::vector<std::string> header) : rows_{std::move(header)} {}
+  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void print(std::ostream& os, std::size_t left_columns) const {
+    std::vector<std::size_t> width;
+    for (auto const& r : rows_)
+      for (std::size_t i = 0; i < r.size(); ++i) {
+        if (width.size() <= i) width.push_back(0);
+        width[i] = std::max(width[i], display_width(r[i]));
+      }
+    for (auto const& r : rows_) {
+      std::string line;
+      for (std::size_t i = 0; i < r.size(); ++i) {
+        std::string const pad(width[i] - display_width(r[i]), ' ');
+        line += i == 0 ? "" : "  ";
+        line += i < left_columns || i + 1 == r.size() ? r[i] + pad : pad + r[i];
+      }
+      while (!line.empty() && line.back() == ' ') line.pop_back();
+      os << line << '\n';
+    }
+  }
+
+ private:
+  static auto display_width(std::string const& s) -> std::size_t {
+    std::size_t n = 0;
+    for (unsigned char ch : s) n += (ch & 0xc0) != 0x80 ? 1 : 0;  // count UTF-8 lead bytes
+    return n;
+  }
+  std::vector<std::vector<std::string>> rows_;
+};
+
+}  // namespace detail
+
+/// The text summary bench/run.sh prints.
+inline void print_text(summary const& s, std::ostream& os) {
+  json const& ctx = s.attention_context.empty() ? s.codecs_context : s.attention_context;
+  os << "kvq CPU benchmarks: " << ctx.value("cpu_model", std::string("unknown CPU")) << ", " << ctx.value("num_cpus", 0)
+     << " CPUs, kvq " << ctx.value("kvq_simd_level", std::string("?")) << ", "
+     << ctx.value("compiler", std::string("?")) << ", " << ctx.value("date", std::string()) << "\n";
+  if (!s.mach.read_bytes_per_s.empty()) os << "machine: " << detail::machine_line(s) << "\n";
+  if (auto const line = detail::memcpy_line(s, target_size); !line.empty())
+    os << "memory at 256 MiB, 1 thread: " << line << "\n";
+
+  if (!s.rates.empty()) {
+    os << "\nEncode / decode (single thread): GB/s of bytes read + written; % = memcpy time / codec time over "
+          "the same bytes\n";
+    detail::text_table t({"codec", "size", "encode", "decode", "memcpy", "read", "enc %", "dec %", "target"});
+    for (auto const& r : s.rates) {
+      std::string check;
+      if (r.size == target_size && r.encode_s && r.decode_s && r.memcpy_s) {
+        bool const ok = percent(*r.memcpy_s, *r.encode_s) >= 80 && percent(*r.memcpy_s, *r.decode_s) >= 80;
+        check = ok ? "✓" : "✗ ≥ 80 %";
+      }
+      t.add({r.entry, r.size, detail::gbps(r.encode_s, r.bytes), detail::gbps(r.decode_s, r.bytes),
+             detail::gbps(r.memcpy_s, r.bytes), detail::gbps(r.read_s, r.bytes),
+             detail::pct_text(r.memcpy_s, r.encode_s), detail::pct_text(r.memcpy_s, r.decode_s), check});
+    }
+    t.print(os, 2);
+  }
+
+  if (!s.attention.empty()) {
+    os << "\nDecode attention (median time per call; roofline = max(K+V bytes / read bandwidth, ops / peak); "
+          "× f16 = f16 time / time)\n";
+    detail::text_table t(
+        {"codec", "shape", "context", "threads", "time ms", "roofline ms", "bound", "% roofline", "× f16", "target"});
+    for (auto const& r : s.attention) {
+      auto const pct = r.pct_roofline();
+      t.add({r.label(), r.shape, std::to_string(r.context), std::to_string(r.threads), detail::ms_text(r.seconds),
+             r.roofline_s ? detail::ms_text(*r.roofline_s) : "—",
+             r.roofline_s ? (r.memory_bound ? "memory" : "compute") : "—", pct ? detail::format("%.1f", *pct) : "—",
+             r.speedup_vs_f16 ? detail::format("%.2f", *r.speedup_vs_f16) : "—",
+             detail::check_text(attention_targets(r))});
+    }
+    t.print(os, 3);
+  }
+
+  os << "\n";
+  detail::print_targets(s, os, "  ");
+}
+
+/// bench/README.md: what the suites measure, the machine, and the result tables.
+inline void write_readme(summary const& s, std::ostream& os, double wall_seconds) {
+  json const& ctx = s.attention_context.empty() ? s.codecs_context : s.attention_context;
+  auto const str = [&](char const* key) { return ctx.value(key, std::string("unknown")); };
+  os << R"(# kvq benchmarks
+
+<!-- Generated by bench/run.sh (kvq_bench_summary --readme). Edit bench/summary.hpp, not this file. -->
+
+```sh
+bash bench/run.sh [--json FILE]   # builds the suites (Release, -march=native), runs them, prints the summary
+```
+
+`run.sh` builds in `build/bench` (or `$KVQ_BUILD_DIR`), runs the two Google Benchmark suites with
+real time, 3 repetitions and their medians, prints the tables below and rewrites this file; with
+`--json FILE` it also writes `{"codecs": [{"codec", "encode_pct_memcpy", "decode_pct_memcpy",
+"attention": [{"shape", "context", "threads", "time_ms", "roofline_ms", "pct_roofline",
+"speedup_vs_f16"}]}]}` (percentages 0–100; extra top-level keys: `attention_q8_query`, `machine`,
+`targets`). `--quick` is a short check of the script (contexts up to 4k, one short repetition; this
+file is left alone).
+
+## What is measured
+
+**Encode / decode** (`kvq_bench_codecs`, one thread): `kvq::cpu_kernels::encode_rows` /
+`decode_rows` (row codecs) and `encode_tile` / `decode_tile_tokens` (KIVI keys, G = 32) over rows
+of head_dim 128 holding N(0, 1) values with four outlier channels, at 256 MiB of f32 (far beyond the
+last-level cache) and 1 MiB (inside it). KIVI keys (`kivi4.k`) and values (`kivi4.v`) are measured
+apart; the codec's figure combines them. **Bytes** of one pass = f32 bytes + encoded bytes (an
+encode reads the first and writes the second, a decode the reverse). In the same binary and next to
+each codec: `memcpy` of half that many bytes (so it too reads and writes that many) and a read-only
+pass over the f32 and encoded bytes. **% of memcpy** = memcpy time / codec time over the same
+bytes, i.e. the ratio of their GB/s.
+
+**Decode attention** (`kvq_bench_attention`): one query token through the public entries,
+`kvq::decode_attention` (1 thread) and `kvq::decode_attention_parallel` (2 threads), for every
+codec with the default options (f32 query) and, as extra rows `<codec>+q8q`, q8_0 / q4_0 / int8
+with `query_precision::q8_0` (integer q·K). Shapes gqa (32 query / 8 KV heads) and mha (32 / 32),
+head_dim 128, contexts 512, 4k, 16k, 32k; KIVI at G = 32, R = 128. Keys are N(0, 1) with four
+outlier channels ×10, values N(0, 1). Each (codec, shape, context) fills enough layers that the K
+and V bytes attended over all of them are at least twice the last-level cache, and iteration i
+attends layer i mod L, so no result comes from cache. **× f16** = time of the f16 cache / time.
+
+**Roofline** of one call = max(K+V bytes / read bandwidth, q·K ops / their peak + p·V ops / the
+f32 FMA peak), with every figure measured in the same run and thread count: K+V bytes = the bytes
+stored for the attended tokens (codec bytes with their scales; KIVI's f16 residual rows as f16);
+ops = q_heads × context × head_dim multiply-adds for q·K and as many for p·V; q·K counts against the
+int8 dot-product peak for the `+q8q` rows and against the f32 FMA peak otherwise. The read
+bandwidth is a read-only pass over a buffer of at least 8× the last-level cache; the peaks are
+independent accumulator chains (f32 FMA; int8 dot product). Each is measured before and again
+after the attention runs, and the higher figure is used (other load can only lower it).
+**% roofline** = roofline / time, at most 100.
+
+## Machine
+
+| | |
+|---|---|
+)";
+  os << "| CPU | " << str("cpu_model") << " |\n";
+  os << "| CPUs | " << ctx.value("num_cpus", 0) << " at " << ctx.value("mhz_per_cpu", 0) << " MHz |\n";
+  std::string caches;
+  for (auto const& c : ctx.value("caches", json::array())) {
+    caches += caches.empty() ? "" : ", ";
+    caches += "L" + std::to_string(c.value("level", 0)) + " " + c.value("type", std::string()) + " " +
+              std::to_string(c.value("size", 0) / 1024) + " KiB";
+    if (c.value("num_sharing", 0) > 1) caches += " (shared by " + std::to_string(c.value("num_sharing", 0)) + ")";
+  }
+  os << "| caches | " << (caches.empty() ? "unknown" : caches) << " |\n";
+  os << "| last-level cache used for the working sets | " << str("llc_bytes") << " bytes |\n";
+  os << "| compiler | " << str("compiler") << " |\n";
+  os << "| kvq::simd_level() | `" << str("kvq_simd_level") << "` |\n";
+  os << "| peak loops | f32: " << str("fma_kind") << "; int8: " << str("int8_kind") << " |\n";
+  os << "| measured | " << detail::machine_line(s) << " |\n";
+  if (auto const line = detail::memcpy_line(s, target_size); !line.empty())
+    os << "| 256 MiB, 1 thread (medians over the codec runs) | " << line << " |\n";
+  os << "| date | " << str("date") << " |\n";
+  if (wall_seconds > 0)
+    os << "| run.sh wall time (benchmarks, build excluded) | " << detail::format("%.0f", wall_seconds) << " s |\n";
+
+  if (!s.rates.empty()) {
+    os << "\n## Encode / decode\n\nGB/s of bytes read + written, one thread; % of memcpy over the same bytes.\n\n"
+          "| codec | size | encode GB/s | decode GB/s | memcpy GB/s | read GB/s | encode % | decode % |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|\n";
+    for (auto const& r : s.rates)
+      os << "| " << r.entry << " | " << r.size << " | " << detail::gbps(r.encode_s, r.bytes) << " | "
+         << detail::gbps(r.decode_s, r.bytes) << " | " << detail::gbps(r.memcpy_s, r.bytes) << " | "
+         << detail::gbps(r.read_s, r.bytes) << " | " << detail::pct_text(r.memcpy_s, r.encode_s) << " | "
+         << detail::pct_text(r.memcpy_s, r.decode_s) << " |\n";
+  }
+
+  if (!s.attention.empty()) {
+    os << "\n## Decode attention\n\nPer cell: median time per call in ms · % of roofline · × f16; ✗ where a target "
+          "is missed.\n";
+    std::set<int> contexts;
+    for (auto const& r : s.attention) contexts.insert(r.context);
+    for (std::string const shape : {"gqa", "mha"}) {
+      for (int threads : {1, 2}) {
+        std::vector<attention_row const*> rows;
+        for (auto const& r : s.attention)
+          if (r.shape == shape && r.threads == threads) rows.push_back(&r);
+        if (rows.empty()) continue;
+        os << "\n### " << shape << (shape == "gqa" ? " (32 query / 8 KV heads)" : " (32 / 32 heads)") << ", " << threads
+           << (threads == 1 ? " thread" : " threads") << "\n\n| codec |";
+        for (int c : contexts) os << " " << (c >= 1024 ? std::to_string(c / 1024) + "k" : std::to_string(c)) << " |";
+        os << "\n|---|";
+        for (std::size_t i = 0; i < contexts.size(); ++i) os << "---:|";
+        os << "\n";
+        std::vector<std::string> labels;
+        for (auto const* r : rows)
+          if (std::find(labels.begin(), labels.end(), r->label()) == labels.end()) labels.push_back(r->label());
+        for (auto const& label : labels) {
+          os << "| " << label << " |";
+          for (int c : contexts) {
+            auto const it = std::find_if(rows.begin(), rows.end(), [&](attention_row const* r) {
+              return r->label() == label && r->context == c;
+            });
+            if (it == rows.end()) {
+              os << " — |";
+              continue;
+            }
+            auto const pct = (*it)->pct_roofline();
+            os << " " << detail::ms_text((*it)->seconds) << " · " << (pct ? detail::format("%.0f %%", *pct) : "—")
+               << " · " << ((*it)->speedup_vs_f16 ? detail::format("%.2f×", *(*it)->speedup_vs_f16) : "—")
+               << (detail::check_text(attention_targets(**it)).rfind("✗", 0) == 0 ? " ✗" : "") << " |";
+          }
+          os << "\n";
+        }
+      }
+    }
+  }
+
+  os << "\n## Targets\n\nEncode and decode at 256 MiB ≥ 80 % of memcpy; attention at 16k and 32k (both shapes, 1 "
+        "and 2 threads) ≥ 70 % of the roofline; no quantized codec slower than the f16 cache at any context; mha, 16k, "
+        "1 thread: ≥ 3× f16 for q4_0 and KIVI-4, ≥ 4× for KIVI-2, ≥ 1.8× for q8_0, int8 and fp8 (the `+q8q` rows are "
+        "checked like their codec). For scale: llama.cpp's CPU flash attention at 16k, gqa, 1 thread takes 16.5 ms on "
+        "f16, 26.6 ms on q8_0 and 49.0 ms on q4_0.\n\n";
+  detail::print_targets(s, os, "- ");
+}
+
+}  // namespace kvq_bench::summary

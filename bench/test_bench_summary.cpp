@@ -1,0 +1,232 @@
+// Tests of kvq_bench_summary (bench/summary.hpp): roofline arithmetic, percentage caps, speed-ups
+// over f16, medians, and the --json document produced from canned benchmark output
+// (bench/testdata/*.json) checked against the documented schema.
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "catch_compat.hpp"
+#include "summary.hpp"
+
+namespace sm = kvq_bench::summary;
+using Catch::Matchers::WithinRel;
+
+namespace {
+
+/// Reads a file as Google Benchmark JSON (bare NaN / Inf read as null).
+auto read_json(std::string const& path) -> nlohmann::json {
+  std::ifstream in(path);
+  REQUIRE(in.good());
+  std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return sm::parse_benchmark_json(text);
+}
+
+auto canned() -> sm::summary {
+  return sm::summarise(sm::load_suite(read_json(KVQ_BENCH_TESTDATA "/codecs.json")),
+                       sm::load_suite(read_json(KVQ_BENCH_TESTDATA "/attention.json")));
+}
+
+auto keys_of(nlohmann::json const& object) -> std::set<std::string> {
+  std::set<std::string> keys;
+  for (auto const& [k, v] : object.items()) keys.insert(k);
+  return keys;
+}
+
+/// Checks a document against the --json schema: exact keys, codec names of DESIGN §8, ranges.
+void check_schema(nlohmann::json const& doc) {
+  std::set<std::string> const names(sm::codec_names.begin(), sm::codec_names.end());
+  REQUIRE(doc.is_object());
+  REQUIRE(doc.contains("codecs"));
+  REQUIRE(doc["codecs"].is_array());
+  auto const check_rows = [](nlohmann::json const& rows) {
+    REQUIRE(rows.is_array());
+    for (auto const& a : rows) {
+      REQUIRE(keys_of(a) == std::set<std::string>{"shape", "context", "threads", "time_ms", "roofline_ms",
+                                                  "pct_roofline", "speedup_vs_f16"});
+      REQUIRE((a["shape"] == "gqa" || a["shape"] == "mha"));
+      REQUIRE(a["context"].is_number_integer());
+      REQUIRE(a["threads"].is_number_integer());
+      REQUIRE(a["time_ms"].is_number());
+      REQUIRE((a["roofline_ms"].is_number() || a["roofline_ms"].is_null()));
+      if (a["pct_roofline"].is_number()) {
+        REQUIRE(a["pct_roofline"].get<double>() >= 0.0);
+        REQUIRE(a["pct_roofline"].get<double>() <= 100.0);
+      }
+      REQUIRE((a["speedup_vs_f16"].is_number() || a["speedup_vs_f16"].is_null()));
+    }
+  };
+  for (auto const& c : doc["codecs"]) {
+    REQUIRE(keys_of(c) == std::set<std::string>{"codec", "encode_pct_memcpy", "decode_pct_memcpy", "attention"});
+    REQUIRE(names.count(c["codec"].get<std::string>()) == 1);
+    for (char const* key : {"encode_pct_memcpy", "decode_pct_memcpy"}) {
+      REQUIRE((c[key].is_number() || c[key].is_null()));
+      if (c[key].is_number()) {
+        REQUIRE(c[key].get<double>() >= 0.0);
+        REQUIRE(c[key].get<double>() <= 100.0);
+      }
+    }
+    check_rows(c["attention"]);
+  }
+  for (auto const& c : doc.value("attention_q8_query", nlohmann::json::array())) {
+    REQUIRE(keys_of(c) == std::set<std::string>{"codec", "attention"});
+    check_rows(c["attention"]);
+  }
+}
+
+auto find_codec(nlohmann::json const& list, std::string const& name) -> nlohmann::json {
+  for (auto const& c : list)
+    if (c["codec"] == name) return c;
+  FAIL("codec " << name << " missing");
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("roofline: max of memory and compute time, int8 q·K against the int8 peak", "[bench][summary]") {
+  sm::attention_work w{268435456.0, 67108864.0, 67108864.0, false};
+  // Memory-bound: 268435456 B / 20 GB/s = 13.42 ms > 134217728 FMAs / 50 G/s = 2.68 ms.
+  REQUIRE_THAT(*sm::roofline_seconds(w, 20e9, 50e9, 200e9), WithinRel(0.0134217728, 1e-12));
+  // Compute-bound: the same work against 1 TB/s.
+  REQUIRE_THAT(*sm::roofline_seconds(w, 1e12, 50e9, 200e9), WithinRel(0.00268435456, 1e-12));
+  // Integer q·K: q·K MACs at the int8 peak plus p·V FMAs at the FMA peak.
+  w.qk_int8 = true;
+  REQUIRE_THAT(*sm::roofline_seconds(w, 1e12, 50e9, 200e9), WithinRel(67108864.0 / 200e9 + 67108864.0 / 50e9, 1e-12));
+  // A missing machine figure gives no roofline.
+  REQUIRE_FALSE(sm::roofline_seconds(w, 0.0, 50e9, 200e9).has_value());
+  REQUIRE_FALSE(sm::roofline_seconds(w, 20e9, 50e9, 0.0).has_value());
+}
+
+TEST_CASE("benchmark JSON: bare NaN and Inf values read as null, strings untouched", "[bench][summary]") {
+  auto const j = sm::parse_benchmark_json(R"({"a": NaN, "b":-nan, "c": inf, "d": -Infinity, "e": 1.5, "f": "x: nan"})");
+  REQUIRE(j["a"].is_null());
+  REQUIRE(j["b"].is_null());
+  REQUIRE(j["c"].is_null());
+  REQUIRE(j["d"].is_null());
+  REQUIRE(j["e"] == 1.5);
+  REQUIRE(j["f"].is_string());
+}
+
+TEST_CASE("percentages are clamped to [0, 100]", "[bench][summary]") {
+  REQUIRE(sm::percent(3.0, 4.0) == 75.0);
+  REQUIRE(sm::percent(5.0, 4.0) == 100.0);
+  REQUIRE(sm::percent(-1.0, 4.0) == 0.0);
+  REQUIRE(sm::percent(1.0, 0.0) == 0.0);
+}
+
+TEST_CASE("summary of the canned benchmark output", "[bench][summary]") {
+  auto const s = canned();
+
+  SECTION("medians: the median aggregate, else the median of plain runs; failed runs skipped") {
+    auto const codecs = sm::load_suite(read_json(KVQ_BENCH_TESTDATA "/codecs.json"));
+    REQUIRE_THAT(codecs.runs.at("encode/q4_0/256MiB").seconds, WithinRel(0.010, 1e-12));
+    REQUIRE_THAT(codecs.runs.at("encode/f16/256MiB").seconds, WithinRel(0.010, 1e-12));
+    REQUIRE(codecs.runs.count("encode/kivi8.k/256MiB") == 0);
+  }
+
+  SECTION("machine figures by thread count, the higher of two measurements") {
+    REQUIRE(s.mach.read_bytes_per_s.at(1) == 2.0e10);  // "again" measured 1e10
+    REQUIRE(s.mach.read_bytes_per_s.at(2) == 2.5e10);
+    REQUIRE(s.mach.fma_macs_per_s.at(2) == 1.0e11);
+    REQUIRE(s.mach.int8_macs_per_s.at(1) == 2.5e11);  // "again" measured more than the first 2e11
+  }
+
+  SECTION("attention rows: roofline, % of roofline, bound, speed-up over f16") {
+    REQUIRE(s.attention.size() == 4);
+    auto const& f16 = s.attention[0];  // codec order of DESIGN §8: f16 before q4_0
+    REQUIRE(f16.codec == "f16");
+    REQUIRE_THAT(*f16.roofline_s, WithinRel(0.0134217728, 1e-9));
+    REQUIRE_THAT(*f16.pct_roofline(), WithinRel(67.108864, 1e-9));
+    REQUIRE(f16.memory_bound);
+    REQUIRE_THAT(*f16.speedup_vs_f16, WithinRel(1.0, 1e-12));
+
+    auto const& gqa = s.attention[1];  // q4_0 gqa 512, 2 threads: compute-bound, no f16 row to compare
+    REQUIRE((gqa.codec == "q4_0" && gqa.shape == "gqa" && gqa.threads == 2));
+    REQUIRE_THAT(*gqa.roofline_s, WithinRel(4194304.0 / 1e11, 1e-9));
+    REQUIRE_FALSE(gqa.memory_bound);
+    REQUIRE_FALSE(gqa.speedup_vs_f16.has_value());
+
+    auto const& mha = s.attention[2];
+    REQUIRE((mha.codec == "q4_0" && !mha.q8_query && mha.shape == "mha"));
+    REQUIRE_THAT(*mha.pct_roofline(), WithinRel(75.497472, 1e-9));
+    REQUIRE_THAT(*mha.speedup_vs_f16, WithinRel(4.0, 1e-12));
+
+    auto const& q8q = s.attention[3];
+    REQUIRE((q8q.codec == "q4_0" && q8q.q8_query && q8q.label() == "q4_0+q8q"));
+    REQUIRE(*q8q.pct_roofline() == 100.0);  // faster than the roofline: capped
+    REQUIRE_THAT(*q8q.speedup_vs_f16, WithinRel(20.0 / 3.0, 1e-12));
+  }
+
+  SECTION("targets") {
+    std::size_t met = 0;
+    for (auto const& t : s.targets) met += t.met ? 1 : 0;
+    REQUIRE(s.targets.size() == 12);
+    REQUIRE(met == 10);
+  }
+}
+
+TEST_CASE("kvq_bench_summary --json writes the documented schema", "[bench][summary]") {
+  auto const dir =
+      std::filesystem::temp_directory_path() /
+      ("kvq_bench_summary_test_" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  std::filesystem::create_directories(dir);
+  auto const out = (dir / "summary.json").string();
+  auto const readme = (dir / "README.md").string();
+  std::string const cmd = std::string("\"") + KVQ_BENCH_SUMMARY +
+                          "\" --codecs \"" KVQ_BENCH_TESTDATA "/codecs.json\" --attention \"" KVQ_BENCH_TESTDATA
+                          "/attention.json\" --json \"" +
+                          out + "\" --readme \"" + readme + "\" --wall-seconds 42 > \"" +
+                          (dir / "stdout.txt").string() + "\"";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  auto const doc = read_json(out);
+  check_schema(doc);
+
+  auto const& codecs = doc["codecs"];
+  REQUIRE(codecs.size() == 3);  // f16, q4_0, kivi4 in the order of DESIGN §8
+  REQUIRE(codecs[0]["codec"] == "f16");
+  REQUIRE(codecs[1]["codec"] == "q4_0");
+  REQUIRE(codecs[2]["codec"] == "kivi4");
+
+  auto const f16 = find_codec(codecs, "f16");
+  REQUIRE_THAT(f16["encode_pct_memcpy"].get<double>(), WithinRel(90.0, 1e-3));
+  REQUIRE(f16["decode_pct_memcpy"].is_null());
+
+  auto const q4 = find_codec(codecs, "q4_0");
+  REQUIRE_THAT(q4["encode_pct_memcpy"].get<double>(), WithinRel(80.0, 1e-3));
+  REQUIRE(q4["decode_pct_memcpy"].get<double>() == 100.0);  // 200 % of memcpy, capped
+  REQUIRE(q4["attention"].size() == 2);                     // the +q8q row lives elsewhere
+  auto const& mha = q4["attention"][1];
+  REQUIRE((mha["shape"] == "mha" && mha["context"] == 16384 && mha["threads"] == 1));
+  REQUIRE_THAT(mha["time_ms"].get<double>(), WithinRel(5.0, 1e-4));
+  REQUIRE_THAT(mha["roofline_ms"].get<double>(), WithinRel(3.7748736, 1e-4));
+  REQUIRE_THAT(mha["pct_roofline"].get<double>(), WithinRel(75.497472, 1e-3));
+  REQUIRE_THAT(mha["speedup_vs_f16"].get<double>(), WithinRel(4.0, 1e-3));
+  REQUIRE(q4["attention"][0]["speedup_vs_f16"].is_null());
+
+  auto const kivi = find_codec(codecs, "kivi4");  // keys and values: (10 + 10) / (20 + 30) and / (10 + 15)
+  REQUIRE_THAT(kivi["encode_pct_memcpy"].get<double>(), WithinRel(40.0, 1e-3));
+  REQUIRE_THAT(kivi["decode_pct_memcpy"].get<double>(), WithinRel(80.0, 1e-3));
+  REQUIRE(kivi["attention"].empty());
+
+  auto const q8 = doc["attention_q8_query"];
+  REQUIRE(q8.size() == 1);
+  REQUIRE(q8[0]["codec"] == "q4_0");
+  REQUIRE(q8[0]["attention"][0]["pct_roofline"].get<double>() == 100.0);
+  REQUIRE_THAT(q8[0]["attention"][0]["speedup_vs_f16"].get<double>(), WithinRel(20.0 / 3.0, 1e-3));
+
+  REQUIRE(doc["machine"]["cpu_model"] == "Test CPU");
+  REQUIRE(doc["targets"]["met"] == 10);
+  REQUIRE(doc["targets"]["total"] == 12);
+
+  std::ifstream md(readme);
+  std::string const text((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
+  REQUIRE(text.find("# kvq benchmarks") == 0);
+  REQUIRE(text.find("| CPU | Test CPU |") != std::string::npos);
+  REQUIRE(text.find("42 s") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
