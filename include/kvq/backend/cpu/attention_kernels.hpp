@@ -419,6 +419,41 @@ struct simd_attention {
       }
   }
 
+  /// logits[t] = q . k_t for one head and tokens t < n, four tokens at a time, each key vector
+  /// decoded in registers (no f32 tile).
+  template <class L>
+  static void dot_one_head(float const* q, int d, L const& k, int n, float* logits) noexcept {
+    using prep = decltype(k.prepare(0, 0));
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+      vf acc[4];
+      for (int j = 0; j < 4; ++j) acc[j] = V::set1(0.0f);
+      int c = 0;
+      for (; c + 32 <= d; c += 32) {
+        prep pr[4];
+        for (int j = 0; j < 4; ++j) pr[j] = k.prepare(t + j, c);
+        for (int w = 0; w < 32; w += W) {
+          vf const qv = V::load(q + c + w);
+          for (int j = 0; j < 4; ++j) acc[j] = V::fma(qv, k.load(t + j, c + w, pr[j]), acc[j]);
+        }
+      }
+      for (; c + W <= d; c += W) {
+        vf const qv = V::load(q + c);
+        for (int j = 0; j < 4; ++j) acc[j] = V::fma(qv, k.load(t + j, c, k.prepare(t + j, c)), acc[j]);
+      }
+      for (int j = 0; j < 4; ++j) {
+        float s = V::reduce_add(acc[j]);
+        for (int cc = c; cc < d; ++cc) s += q[cc] * k.at(t + j, cc);
+        logits[t + j] = s;
+      }
+    }
+    for (; t < n; ++t) {
+      float s = 0.0f;
+      for (int c = 0; c < d; ++c) s += q[c] * k.at(t, c);
+      logits[t] = s;
+    }
+  }
+
   /// logits[h * T + off + t] = q_h . k_t for every head of the group and tokens t < n.
   template <class L>
   static void dot_rows(float const* q, int d, int group, L const& k, int n, int off, float* logits) noexcept {
@@ -592,6 +627,12 @@ struct simd_attention {
         with_quantized_rows<KC>(k, kp, d, t, m, tr, s.keys.data(), [&](auto const& rows) {
           using loader = std::decay_t<decltype(rows)>;
           constexpr int H4 = W >= 4 ? 4 : W;
+          if constexpr (!std::is_same_v<decltype(rows.prepare(0, 0)), no_prep>) {
+            if (call.group == 1) {  // one head: decode in registers, 4 tokens at a time
+              dot_one_head(q, d, rows, m, logits + i);
+              return;
+            }
+          }
           if (std::is_same_v<decltype(rows.prepare(0, 0)), no_prep> || call.group % H4 == 0) {
             // Each key vector decoded in registers once for H4 heads (W / H4 tokens at a time).
             dot_rows(q, d, call.group, rows, m, i, logits);
