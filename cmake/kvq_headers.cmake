@@ -2,6 +2,7 @@
 set(KVQ_PUBLIC_HEADERS
     include/kvq/kvq.hpp
     include/kvq/error.hpp
+    include/kvq/memory_resource.hpp
     include/kvq/cache.hpp
     include/kvq/attention.hpp
     include/kvq/any_cache.hpp
@@ -16,6 +17,8 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/simd.hpp
     include/kvq/version.hpp
     include/kvq/detail/config.h
+    include/kvq/detail/isa_tag.h
+    include/kvq/detail/host_vector.hpp
     include/kvq/detail/numeric.h
     include/kvq/detail/block_layouts.h
     include/kvq/detail/math_ggml.h
@@ -34,4 +37,9 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/backend/metal/metal_cache.hpp
     include/kvq/backend/cuda/cuda_device.h
     include/kvq/backend/cuda/cuda_cache_core.hpp
+)
+
+# Optional headers that need a third-party library (not compiled on their own; installed with the rest).
+set(KVQ_OPTIONAL_HEADERS
+    include/kvq/fmt.hpp  # {fmt} formatters: needs fmt 9+
 )

@@ -3,7 +3,9 @@
 # may be passed as arguments. On a system without dpkg it only says what it would need.
 set -euo pipefail
 
-packages=(build-essential cmake ninja-build catch2 nlohmann-json3-dev libbenchmark-dev "$@")
+packages=(build-essential cmake ninja-build catch2 nlohmann-json3-dev libbenchmark-dev libfmt-dev "$@")
+# qemu-x86_64 runs the mixed-instruction-set test on an emulated CPU without AVX.
+if [ "$(uname -m)" = x86_64 ]; then packages+=(qemu-user); fi
 
 if ! command -v dpkg >/dev/null 2>&1; then
   echo "install-deps: no dpkg here; make sure these (or their equivalents) are installed: ${packages[*]}"

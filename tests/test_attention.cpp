@@ -9,6 +9,7 @@
 //   * the split form (attend_range + combine + finalize) and decode_attention_parallel;
 //   * NaN/Inf behaviour and argument errors as the header pins them.
 // A hidden test, `[.measure]`, prints the error of every codec at context 4096, head_dim 128, GQA 32/8.
+#include <kvq/any_cache.hpp>
 #include <kvq/attention.hpp>
 #include <kvq/codec/fp8.hpp>
 #include <kvq/codec/int8.hpp>
@@ -356,7 +357,9 @@ auto rel_diff(std::vector<float> const& a, std::vector<float> const& b) -> doubl
   return std::isfinite(x) ? x : static_cast<double>(inf_f);
 }
 
-auto same_bits(std::vector<float> const& a, std::vector<float> const& b) -> bool {
+/// Same size and bits (NaNs equal); any two float vectors (attention_partial's are kvq's vector type).
+template <class A, class B>
+auto same_bits(A const& a, B const& b) -> bool {
   return a.size() == b.size() &&
          std::equal(a.begin(), a.end(), b.begin(), [](float x, float y) { return kvq_test::same_value(x, y); });
 }
@@ -1231,6 +1234,71 @@ TEST_CASE("attention argument errors", "[attention][errors]") {
   CHECK_THROWS_AS(kvq::combine(a, kvq::attention_partial::empty(8, d + 1)), kvq::shape_error);
   // Errors are typed kvq::error.
   CHECK_THROWS_AS(kvq::attend_range(cache, 0, q.data(), 8, 5, 4), kvq::error);
+}
+
+TEST_CASE("a null attention output raises shape_error like a null query", "[attention][errors]") {
+  int const kv = 2, d = 32;
+  std::int64_t const n = 40;
+  auto const& x = dataset(n, kv, d, 1301);
+  auto cache = make_cache<kvq::q8_0>(kv, d, n);
+  append_range<kvq::q8_0>(cache, 0, x, 0, n);
+  std::vector<float> q(sz(4) * sz(d), 0.25f);
+  CHECK_THROWS_AS(kvq::decode_attention(cache, 0, q.data(), 4, nullptr), kvq::shape_error);
+  CHECK_THROWS_AS(kvq::decode_attention(cache, 1, q.data(), 4, nullptr), kvq::shape_error);  // empty layer too
+  CHECK_THROWS_AS(kvq::decode_attention_parallel(cache, 0, q.data(), 4, nullptr, 2), kvq::shape_error);
+  auto const part = kvq::attend_range(cache, 0, q.data(), 4, 0, n);
+  CHECK_THROWS_AS(kvq::finalize(part, nullptr), kvq::shape_error);
+  CHECK_NOTHROW(kvq::finalize(kvq::attention_partial::empty(0, d), nullptr));  // nothing to write
+  // A partial state whose vectors do not match its shape is refused, not read out of bounds.
+  std::vector<float> out(q.size());
+  auto broken = part;
+  broken.out.resize(3);
+  CHECK_THROWS_AS(kvq::finalize(broken, out.data()), kvq::shape_error);
+  auto merged = part;
+  CHECK_THROWS_AS(kvq::combine(merged, broken), kvq::shape_error);
+  broken = part;
+  broken.q_heads = 8;
+  CHECK_THROWS_AS(kvq::combine(merged, broken), kvq::shape_error);
+  CHECK_THROWS_AS(kvq::finalize(broken, out.data()), kvq::shape_error);
+  // The facade.
+  auto any = kvq::make_any_cache({1, kv, d, n}, "q8_0", "q4_0");
+  any->append(0, kvq::token_major(x.k.data(), n, kv, d), kvq::token_major(x.v.data(), n, kv, d));
+  CHECK_THROWS_AS(any->attention(0, q.data(), 4, nullptr), kvq::shape_error);
+  CHECK_THROWS_AS(any->attention(0, nullptr, 4, out.data()), kvq::shape_error);
+  CHECK_NOTHROW(any->attention(0, q.data(), 4, out.data()));
+}
+
+TEST_CASE("make_any_cache: one shape rule for both overloads", "[attention][any_cache][errors]") {
+  using pairs = std::vector<std::pair<std::string, std::string>>;
+  CHECK_THROWS_AS(kvq::make_any_cache({0, 0, 0, 0}, pairs{}), kvq::invalid_argument_error);
+  CHECK_THROWS_AS(kvq::make_any_cache({0, 0, 0, 0}, "q8_0", "q8_0"), kvq::invalid_argument_error);
+  for (kvq::cache_shape const s : {kvq::cache_shape{-1, 1, 32, 8}, kvq::cache_shape{1, 0, 32, 8},
+                                   kvq::cache_shape{1, 1, 0, 8}, kvq::cache_shape{1, 1, 32, -5}}) {
+    INFO(s.layers << " " << s.kv_heads << " " << s.head_dim << " " << s.capacity);
+    CHECK_THROWS_AS(kvq::make_any_cache(s, "q8_0", "q4_0"), kvq::invalid_argument_error);
+    CHECK_THROWS_AS(kvq::make_any_cache(s, pairs{{"q8_0", "q4_0"}}), kvq::invalid_argument_error);
+    CHECK_THROWS_AS(kvq::make_any_cache(s, "nope", "q4_0"), kvq::invalid_argument_error);  // the shape first
+  }
+  // A valid shape: the pair count, then the names.
+  CHECK_THROWS_AS(kvq::make_any_cache({2, 1, 32, 8}, pairs{{"q8_0", "q4_0"}}), kvq::shape_error);
+  CHECK_THROWS_AS(kvq::make_any_cache({1, 1, 32, 8}, pairs{{"q8_0", "nope"}}), kvq::unsupported_error);
+  kvq::any_cache_options bad_r;
+  bad_r.residual = 31;
+  CHECK_THROWS_AS(kvq::make_any_cache({1, 1, 32, 64}, "kivi4", "kivi4", bad_r), kvq::invalid_argument_error);
+  CHECK_THROWS_AS(kvq::make_any_cache({1, 1, 32, 64}, pairs{{"kivi4", "kivi4"}}, bad_r), kvq::invalid_argument_error);
+  auto c = kvq::make_any_cache({2, 1, 32, 64}, pairs{{"q8_0", "q4_0"}, {"f16", "f16"}});
+  auto const m = c->memory();
+  CHECK(std::isfinite(m.bits_per_element));
+  CHECK(m.bits_per_element > 0.0);
+  // nonfinite_blocks through the facade: q8_0's fp16 scale overflows above amax ~8.3e6.
+  std::vector<float> x(32, 1.0f);
+  x[0] = 1e7f;
+  c->append(0, kvq::token_major(x.data(), 1, 1, 32), kvq::token_major(x.data(), 1, 1, 32));
+  c->append(1, kvq::token_major(x.data(), 1, 1, 32), kvq::token_major(x.data(), 1, 1, 32));
+  CHECK(c->nonfinite_blocks(0) == kvq::nonfinite_report{1, 1});  // q4_0: |d| = 1e7 / 8 overflows too
+  CHECK(c->nonfinite_blocks(1) == kvq::nonfinite_report{});      // f16 has no scales
+  CHECK(c->nonfinite_blocks().total() == c->nonfinite_blocks(0).total());
+  CHECK_THROWS_AS(c->nonfinite_blocks(2), kvq::index_error);
 }
 
 // ------------------------------------------------------------------------------------------------

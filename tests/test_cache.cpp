@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory_resource>
 #include <new>
 #include <random>
 #include <sstream>
@@ -174,9 +173,9 @@ struct kv_input {
       for (int k = 0; k < h; ++k)
         for (int c = 0; c < d; ++c) {
           float v = dist(rng);
-          if (c % 17 == 3) v *= 12.0f;             // outlier channels
-          if (c == 1 && k == 0) v = 0.375f;        // a constant channel (constant KIVI key groups)
-          if ((t + c) % 29 == 0) v = 0.0f;         // some exact zeros
+          if (c % 17 == 3) v *= 12.0f;       // outlier channels
+          if (c == 1 && k == 0) v = 0.375f;  // a constant channel (constant KIVI key groups)
+          if ((t + c) % 29 == 0) v = 0.0f;   // some exact zeros
           at(t, k, c) = from_f32<T>(v);
         }
   }
@@ -373,8 +372,8 @@ struct harness {
 
 /// Describes the first difference between a read-back and the expected rows, or "" when none.
 template <class T>
-auto compare_rows(std::vector<T> const& got, std::int64_t stride, std::int64_t count, int dim,
-                  auto const& expected_row, T sentinel) -> std::string {
+auto compare_rows(std::vector<T> const& got, std::int64_t stride, std::int64_t count, int dim, auto const& expected_row,
+                  T sentinel) -> std::string {
   for (std::int64_t i = 0; i < count; ++i) {
     row_t const& want = expected_row(i);
     for (int c = 0; c < dim; ++c) {
@@ -423,14 +422,14 @@ void check_against_model(harness<Choice> const& x, int pad = 3) {
 
       std::vector<T> out(sz(len * stride + 1), sentinel);
       c.read_keys(l, h, 0, len, out.data(), stride);
-      std::string diff = compare_rows(out, stride, len, d, [&](std::int64_t i) -> row_t const& { return m.key(sz(i)); },
-                                      sentinel);
+      std::string diff = compare_rows(
+          out, stride, len, d, [&](std::int64_t i) -> row_t const& { return m.key(sz(i)); }, sentinel);
       INFO("keys: " << diff);
       CHECK(diff.empty());
       std::fill(out.begin(), out.end(), sentinel);
       c.read_values(l, h, 0, len, out.data(), stride);
-      diff = compare_rows(out, stride, len, d, [&](std::int64_t i) -> row_t const& { return m.value(sz(i)); },
-                          sentinel);
+      diff = compare_rows(
+          out, stride, len, d, [&](std::int64_t i) -> row_t const& { return m.value(sz(i)); }, sentinel);
       INFO("values: " << diff);
       CHECK(diff.empty());
 
@@ -439,13 +438,13 @@ void check_against_model(harness<Choice> const& x, int pad = 3) {
         std::int64_t const first = len / 3, count = len / 2;
         std::vector<T> sub(sz(count * d), sentinel);
         c.read_keys(l, h, first, count, sub.data());
-        diff = compare_rows(sub, d, count, d, [&](std::int64_t i) -> row_t const& { return m.key(sz(first + i)); },
-                            sentinel);
+        diff = compare_rows(
+            sub, d, count, d, [&](std::int64_t i) -> row_t const& { return m.key(sz(first + i)); }, sentinel);
         INFO("key sub-range: " << diff);
         CHECK(diff.empty());
         c.read_values(l, h, first, count, sub.data());
-        diff = compare_rows(sub, d, count, d,
-                            [&](std::int64_t i) -> row_t const& { return m.value(sz(first + i)); }, sentinel);
+        diff = compare_rows(
+            sub, d, count, d, [&](std::int64_t i) -> row_t const& { return m.value(sz(first + i)); }, sentinel);
         INFO("value sub-range: " << diff);
         CHECK(diff.empty());
       }
@@ -498,9 +497,9 @@ auto take_snapshot(Cache const& c) -> snapshot {
     for (int h = 0; h < shape.kv_heads; ++h) {
       for (bool keys : {true, false}) {
         auto const v = keys ? c.key_storage(l, h) : c.value_storage(l, h);
-        s.counters.insert(s.counters.end(), {v.quantized_tokens, v.residual_tokens, v.residual_capacity,
-                                             v.residual_first, static_cast<std::int64_t>(v.unit_bytes),
-                                             v.tokens_per_unit});
+        s.counters.insert(s.counters.end(),
+                          {v.quantized_tokens, v.residual_tokens, v.residual_capacity, v.residual_first,
+                           static_cast<std::int64_t>(v.unit_bytes), v.tokens_per_unit});
         s.pointers.push_back(reinterpret_cast<std::uintptr_t>(v.units));
         s.pointers.push_back(reinterpret_cast<std::uintptr_t>(v.residual));
         auto const raw = raw_bytes(c, v, keys);
@@ -677,10 +676,10 @@ TEMPLATE_LIST_TEST_CASE("cache: KIVI residual counters and chunking invariance",
   kv_input<float> const k(total, 2, d, input_layout::padded, 21);
   kv_input<float> const v(total, 2, d, input_layout::padded, 22);
   std::vector<std::vector<std::int64_t>> const chunkings = {
-      std::vector<std::int64_t>(sz(total), 1),          // decode only
-      {250, 1, 1, 1, 1, 1, 45},                         // a big prefill, then decode
-      mixed_chunks,                                     // mixed
-      {total},                                          // one prefill
+      std::vector<std::int64_t>(sz(total), 1),  // decode only
+      {250, 1, 1, 1, 1, 1, 45},                 // a big prefill, then decode
+      mixed_chunks,                             // mixed
+      {total},                                  // one prefill
   };
   for (int r : residuals<Choice>()) {
     std::vector<snapshot> results;
@@ -773,7 +772,9 @@ TEST_CASE("cache: KIVI keys and values with different group sizes", "[cache][kiv
   for (int bad : {8, 24, 40}) {
     INFO("R = " << bad);
     require_error<kvq::invalid_argument_error>(
-        [&] { cache_of<Choice> c({1, 1, 48, 256}, make_options<Choice>(bad)); },
+        [&] {
+          cache_of<Choice> c({1, 1, 48, 256}, make_options<Choice>(bad));
+        },
         "R = " + std::to_string(bad) + " must be a non-negative multiple of G = 48");
   }
   for (int r : {0, 48, 96}) {
@@ -834,7 +835,8 @@ TEMPLATE_LIST_TEST_CASE("cache: truncate of row codecs equals a fresh cache", "[
   a.truncate(130);
   a.truncate(1000);
   CHECK(take_snapshot(a.cache) == before);
-  require_error_unchanged<kvq::invalid_argument_error>(a.cache, [&] { a.cache.truncate(-1); }, "n = -1");
+  require_error_unchanged<kvq::invalid_argument_error>(
+      a.cache, [&] { a.cache.truncate(-1); }, "n = -1");
 
   // Truncate to zero, then start again.
   a.truncate(0);
@@ -968,12 +970,10 @@ TEMPLATE_LIST_TEST_CASE("cache: shift_left of row codecs", "[cache][shift]", row
   CHECK(x.cache.size(2) == 0);
   auto const new0 = read_keys_as<float>(x.cache, 0, 1, 70);
   auto const new1 = read_values_as<float>(x.cache, 1, 0, 20);
-  CHECK(std::equal(new0.begin(), new0.end(), old0.begin() + 30 * d, [](float a, float b) {
-    return kvq_test::bits(a) == kvq_test::bits(b);
-  }));
-  CHECK(std::equal(new1.begin(), new1.end(), old1.begin() + 30 * d, [](float a, float b) {
-    return kvq_test::bits(a) == kvq_test::bits(b);
-  }));
+  CHECK(std::equal(new0.begin(), new0.end(), old0.begin() + 30 * d,
+                   [](float a, float b) { return kvq_test::bits(a) == kvq_test::bits(b); }));
+  CHECK(std::equal(new1.begin(), new1.end(), old1.begin() + 30 * d,
+                   [](float a, float b) { return kvq_test::bits(a) == kvq_test::bits(b); }));
   check_against_model<float>(x);
 
   // Appending continues after the shifted tokens.
@@ -982,8 +982,10 @@ TEMPLATE_LIST_TEST_CASE("cache: shift_left of row codecs", "[cache][shift]", row
   check_all_outputs(x);
 
   // Too far for a non-empty layer: index_error, nothing changes (layer 2 holds 10).
-  require_error_unchanged<kvq::index_error>(x.cache, [&] { x.cache.shift_left(21); }, "layer 1 holds 20 tokens");
-  require_error_unchanged<kvq::invalid_argument_error>(x.cache, [&] { x.cache.shift_left(-3); }, "n = -3");
+  require_error_unchanged<kvq::index_error>(
+      x.cache, [&] { x.cache.shift_left(21); }, "layer 1 holds 20 tokens");
+  require_error_unchanged<kvq::invalid_argument_error>(
+      x.cache, [&] { x.cache.shift_left(-3); }, "n = -3");
   snapshot const before = take_snapshot(x.cache);
   x.cache.shift_left(0);
   CHECK(take_snapshot(x.cache) == before);
@@ -1134,8 +1136,8 @@ auto documented_memory(kvq::cache_shape const& s, int residual) -> kvq::memory_r
   std::size_t const key_res_rows = is_tile_codec<K> ? sz(residual > 0 ? residual : group_of<K>()) : 0;
   std::size_t const value_raw = sz(s.capacity) * documented_unit_bytes<V>(s.head_dim);
   std::size_t const value_res_rows = is_kivi_value<V>::value ? sz(residual) : 0;
-  std::size_t const per_head = align64(key_raw) + align64(key_res_rows * d * 2) + align64(value_raw) +
-                               align64(value_res_rows * d * 2);
+  std::size_t const per_head =
+      align64(key_raw) + align64(key_res_rows * d * 2) + align64(value_raw) + align64(value_res_rows * d * 2);
   std::size_t const lh = sz(s.layers) * sz(s.kv_heads);
   kvq::memory_report m;
   m.total_bytes = lh * per_head;
@@ -1166,8 +1168,8 @@ TEMPLATE_LIST_TEST_CASE("cache: memory accounting follows the documented layout"
     int residual;
   };
   std::vector<cfg> const configs = {
-      {{1, 1, 1, 1}, 0},     {{2, 3, 8, 100}, 32},   {{4, 8, 80, 333}, 128}, {{1, 2, 128, 4096}, 128},
-      {{3, 1, 256, 64}, 0},  {{2, 2, 96, 31}, 32},   {{1, 4, 112, 1000}, 64}, {{2, 1, 192, 257}, 0},
+      {{1, 1, 1, 1}, 0},    {{2, 3, 8, 100}, 32}, {{4, 8, 80, 333}, 128},  {{1, 2, 128, 4096}, 128},
+      {{3, 1, 256, 64}, 0}, {{2, 2, 96, 31}, 32}, {{1, 4, 112, 1000}, 64}, {{2, 1, 192, 257}, 0},
   };
   for (auto const& c : configs) {
     INFO("layers " << c.shape.layers << ", kv_heads " << c.shape.kv_heads << ", head_dim " << c.shape.head_dim
@@ -1247,7 +1249,7 @@ TEST_CASE("cache: bits per element of the DESIGN table", "[cache][memory]") {
 // 7. The allocator hook
 
 /// A memory resource that records every allocation and deallocation.
-class counting_resource : public std::pmr::memory_resource {
+class counting_resource : public kvq::memory_resource {
  public:
   struct block {
     void* p;
@@ -1264,7 +1266,7 @@ class counting_resource : public std::pmr::memory_resource {
  private:
   auto do_allocate(std::size_t bytes, std::size_t align) -> void* override {
     if (attempts++ == fail_at) throw std::bad_alloc();
-    void* p = std::pmr::new_delete_resource()->allocate(bytes, align);
+    void* p = kvq::new_delete_memory_resource()->allocate(bytes, align);
     live.push_back({p, bytes, align});
     allocated.push_back({p, bytes, align});
     return p;
@@ -1277,9 +1279,9 @@ class counting_resource : public std::pmr::memory_resource {
       return;  // leak rather than free with the wrong size
     }
     live.erase(it);
-    std::pmr::new_delete_resource()->deallocate(p, bytes, align);
+    kvq::new_delete_memory_resource()->deallocate(p, bytes, align);
   }
-  auto do_is_equal(std::pmr::memory_resource const& o) const noexcept -> bool override { return this == &o; }
+  auto do_is_equal(kvq::memory_resource const& o) const noexcept -> bool override { return this == &o; }
 };
 
 template <class Choice>
@@ -1340,12 +1342,12 @@ TEST_CASE("cache: the allocator hook sees every allocation and deallocation", "[
 
   SECTION("without options.memory the default resource is used") {
     counting_resource res;
-    auto* const previous = std::pmr::set_default_resource(&res);
+    auto* const previous = kvq::set_default_memory_resource(&res);
     {
       cache_of<kvq::q4_0> c({2, 1, 32, 64});
       CHECK(res.allocated.size() == 2);
     }
-    std::pmr::set_default_resource(previous);
+    kvq::set_default_memory_resource(previous);
     CHECK(res.deallocations == 2);
     CHECK(res.live.empty());
   }
@@ -1384,80 +1386,93 @@ void check_errors(int residual) {
       c, [&] { c.append(0, k.view(0, 25), v.view(0, 25)); },
       "append: layer 0 holds 40 tokens; appending 25 exceeds the capacity of 64");
   c.append(0, k.view(40, 24), v.view(40, 24));  // exactly full is fine
-  require_error_unchanged<kvq::capacity_error>(c, [&] { c.append(0, k.view(0, 1), v.view(0, 1)); },
-                                               "holds 64 tokens; appending 1 exceeds");
+  require_error_unchanged<kvq::capacity_error>(
+      c, [&] { c.append(0, k.view(0, 1), v.view(0, 1)); }, "holds 64 tokens; appending 1 exceeds");
 
   // Layer and head.
-  require_error_unchanged<kvq::index_error>(c, [&] { c.append(2, k.view(0, 1), v.view(0, 1)); },
-                                            "layer 2 is out of range [0, 2)");
-  require_error_unchanged<kvq::index_error>(c, [&] { c.append(-1, k.view(0, 1), v.view(0, 1)); },
-                                            "layer -1 is out of range [0, 2)");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.append(2, k.view(0, 1), v.view(0, 1)); }, "layer 2 is out of range [0, 2)");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.append(-1, k.view(0, 1), v.view(0, 1)); }, "layer -1 is out of range [0, 2)");
   std::vector<float> out(sz(64 * d + 8), -7.0f);
   auto const untouched = out;
-  require_error_unchanged<kvq::index_error>(c, [&] { c.read_keys(0, 2, 0, 1, out.data()); },
-                                            "kv_head 2 is out of range [0, 2)");
-  require_error_unchanged<kvq::index_error>(c, [&] { c.read_values(0, -1, 0, 1, out.data()); },
-                                            "kv_head -1 is out of range [0, 2)");
-  require_error_unchanged<kvq::index_error>(c, [&] { c.read_values(5, 0, 0, 1, out.data()); },
-                                            "layer 5 is out of range [0, 2)");
-  require_error_unchanged<kvq::index_error>(c, [&] { (void)c.key_storage(0, 9); }, "kv_head 9");
-  require_error_unchanged<kvq::index_error>(c, [&] { (void)c.value_storage(3, 0); }, "layer 3");
-  require_error_unchanged<kvq::index_error>(c, [&] { (void)c.size(-2); }, "layer -2");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.read_keys(0, 2, 0, 1, out.data()); }, "kv_head 2 is out of range [0, 2)");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.read_values(0, -1, 0, 1, out.data()); }, "kv_head -1 is out of range [0, 2)");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.read_values(5, 0, 0, 1, out.data()); }, "layer 5 is out of range [0, 2)");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { (void)c.key_storage(0, 9); }, "kv_head 9");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { (void)c.value_storage(3, 0); }, "layer 3");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { (void)c.size(-2); }, "layer -2");
 
   // Ranges.
-  require_error_unchanged<kvq::index_error>(c, [&] { c.read_keys(1, 0, 2, 2, out.data()); },
-                                            "read_keys: range [2, 4) is outside the 3 tokens of layer 1");
-  require_error_unchanged<kvq::index_error>(c, [&] { c.read_values(1, 1, -1, 2, out.data()); },
-                                            "read_values: range [-1, 1) is outside the 3 tokens of layer 1");
-  require_error_unchanged<kvq::index_error>(c, [&] { c.read_values(1, 1, 1, -1, out.data()); }, "range [1, 0)");
-  require_error_unchanged<kvq::index_error>(c, [&] { c.read_keys(1, 1, 4, 0, out.data()); }, "range [4, 4)");
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.read_keys(0, 0, 0, 2, out.data(), d - 1); },
-                                            "output stride 63 is smaller than head_dim 64");
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.read_keys(0, 0, 0, 2, out.data(), -5); }, "output stride -5");
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.read_values(0, 0, 0, 2, static_cast<float*>(nullptr)); },
-                                            "output is null");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.read_keys(1, 0, 2, 2, out.data()); }, "read_keys: range [2, 4) is outside the 3 tokens of layer 1");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.read_values(1, 1, -1, 2, out.data()); },
+      "read_values: range [-1, 1) is outside the 3 tokens of layer 1");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.read_values(1, 1, 1, -1, out.data()); }, "range [1, 0)");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.read_keys(1, 1, 4, 0, out.data()); }, "range [4, 4)");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.read_keys(0, 0, 0, 2, out.data(), d - 1); }, "output stride 63 is smaller than head_dim 64");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.read_keys(0, 0, 0, 2, out.data(), -5); }, "output stride -5");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.read_values(0, 0, 0, 2, static_cast<float*>(nullptr)); }, "output is null");
   CHECK(out == untouched);
 
   // Shapes and strides.
   kv_input<float> const k3(8, 3, d, input_layout::dense, 103);
   kv_input<float> const k_small(8, 2, d - 1, input_layout::dense, 104);
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.append(1, k3.view(0, 2), v.view(0, 2)); },
-                                            "append: keys have shape (3 heads, 64 dims); the cache has (2, 64)");
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.append(1, k.view(0, 2), k_small.view(0, 2)); },
-                                            "append: values have shape (2 heads, 63 dims); the cache has (2, 64)");
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.append(1, k.view(0, 3), v.view(0, 2)); },
-                                            "keys have 3 tokens but values have 2");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(1, k3.view(0, 2), v.view(0, 2)); },
+      "append: keys have shape (3 heads, 64 dims); the cache has (2, 64)");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(1, k.view(0, 2), k_small.view(0, 2)); },
+      "append: values have shape (2 heads, 63 dims); the cache has (2, 64)");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(1, k.view(0, 3), v.view(0, 2)); }, "keys have 3 tokens but values have 2");
   auto overlap = k.view(0, 2);
   overlap.token_stride = d;
   overlap.head_stride = d;
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.append(1, k.view(0, 2), overlap); },
-                                            "values strides (token 64, head 64) make rows of 64 elements overlap");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(1, k.view(0, 2), overlap); },
+      "values strides (token 64, head 64) make rows of 64 elements overlap");
   auto heads_overlap = k.view(0, 1);
   heads_overlap.head_stride = d / 2;
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.append(1, heads_overlap, v.view(0, 1)); },
-                                            "keys strides (token 139, head 32) make rows");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(1, heads_overlap, v.view(0, 1)); }, "keys strides (token 139, head 32) make rows");
   auto negative = k.view(0, 2);
   negative.token_stride = -negative.token_stride;
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.append(1, negative, v.view(0, 2)); },
-                                            "strides (token -139, head 67)");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(1, negative, v.view(0, 2)); }, "strides (token -139, head 67)");
   auto negative_tokens = k.view(0, 2);
   negative_tokens.tokens = -1;
   auto negative_tokens_v = v.view(0, 2);
   negative_tokens_v.tokens = -1;
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.append(1, negative_tokens, negative_tokens_v); },
-                                            "token count -1 is negative");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(1, negative_tokens, negative_tokens_v); }, "token count -1 is negative");
   auto null_keys = k.view(0, 2);
   null_keys.data = nullptr;
-  require_error_unchanged<kvq::shape_error>(c, [&] { c.append(1, null_keys, v.view(0, 2)); }, "keys data is null");
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(1, null_keys, v.view(0, 2)); }, "keys data is null");
 
   // truncate and shift_left.
-  require_error_unchanged<kvq::invalid_argument_error>(c, [&] { c.truncate(-7); }, "truncate: n = -7 is negative");
-  require_error_unchanged<kvq::invalid_argument_error>(c, [&] { c.shift_left(-1); },
-                                                       "shift_left: n = -1 is negative");
-  require_error_unchanged<kvq::index_error>(c, [&] { c.shift_left(is_tile_codec<key_of<Choice>> ? 32 : 4); },
-                                            "layer 1 holds 3 tokens, cannot drop");
+  require_error_unchanged<kvq::invalid_argument_error>(
+      c, [&] { c.truncate(-7); }, "truncate: n = -7 is negative");
+  require_error_unchanged<kvq::invalid_argument_error>(
+      c, [&] { c.shift_left(-1); }, "shift_left: n = -1 is negative");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.shift_left(is_tile_codec<key_of<Choice>> ? 32 : 4); }, "layer 1 holds 3 tokens, cannot drop");
   if constexpr (is_tile_codec<key_of<Choice>>)
-    require_error_unchanged<kvq::unsupported_error>(c, [&] { c.shift_left(3); }, "G = 32, not 3");
+    require_error_unchanged<kvq::unsupported_error>(
+        c, [&] { c.shift_left(3); }, "G = 32, not 3");
 
   // After all that, the cache still works.
   c.truncate(60);
@@ -1490,10 +1505,16 @@ TEST_CASE("cache: invalid shapes and options are refused at construction", "[cac
     o.residual = r;
     return o;
   };
-  require_error<invalid_argument_error>([&] { cache_of<kvq::kivi<4>> c({1, 1, 64, 256}, with_residual(48)); },
-                                        "KIVI residual R = 48 must be a non-negative multiple of G = 32");
-  require_error<invalid_argument_error>([&] { cache_of<kvq::kivi<4>> c({1, 1, 64, 256}, with_residual(-32)); },
-                                        "R = -32");
+  require_error<invalid_argument_error>(
+      [&] {
+        cache_of<kvq::kivi<4>> c({1, 1, 64, 256}, with_residual(48));
+      },
+      "KIVI residual R = 48 must be a non-negative multiple of G = 32");
+  require_error<invalid_argument_error>(
+      [&] {
+        cache_of<kvq::kivi<4>> c({1, 1, 64, 256}, with_residual(-32));
+      },
+      "R = -32");
   require_error<invalid_argument_error>(
       [] {
         options_of<kvq::kivi<2, 16>> o;
@@ -1538,7 +1559,227 @@ TEST_CASE("cache: invalid shapes and options are refused at construction", "[cac
       "scale = 0");
   // A shape whose byte size does not fit in size_t is refused, not wrapped around.
   require_error<invalid_argument_error>(
-      [] { cache_of<kvq::f32_codec> c({1 << 20, 1 << 20, 65536, std::int64_t{1} << 40}); }, "bytes");
+      [] {
+        cache_of<kvq::f32_codec> c({1 << 20, 1 << 20, 65536, std::int64_t{1} << 40});
+      },
+      "bytes");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8b. Regressions found by random-operation testing (overflow in checks, f16 saturation of the
+//     KIVI residual, non-finite scales, plan_memory validation)
+
+TEST_CASE("cache: a read range at the int64 limits raises index_error without overflowing", "[cache][errors]") {
+  cache_of<kvq::q8_0> c({1, 1, 32, 8});
+  std::vector<float> out(64, -7.0f);
+  auto const untouched = out;
+  constexpr std::int64_t max = std::numeric_limits<std::int64_t>::max();
+  constexpr std::int64_t min = std::numeric_limits<std::int64_t>::min();
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.read_keys(0, 0, max, 1, out.data()); },
+      "read_keys: range [9223372036854775807, 9223372036854775807 + 1)");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.read_values(0, 0, min, -1, out.data()); }, "range [-9223372036854775808, -9223372036854775808 + -1)");
+  require_error_unchanged<kvq::index_error>(
+      c, [&] { c.read_values(0, 0, 0, max, out.data()); }, "range [0, 9223372036854775807)");
+  // Rows that no buffer can hold: (count - 1) * stride overflows.
+  kv_input<float> const k(4, 1, 32, input_layout::dense, 7);
+  c.append(0, k.view(0, 4), k.view(0, 4));
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.read_keys(0, 0, 0, 3, out.data(), max / 2); }, "do not fit in the address space");
+  CHECK(out == untouched);
+}
+
+TEST_CASE("cache: huge strides are refused without overflow and nothing is appended", "[cache][errors]") {
+  cache_of<kvq::q8_0> c({1, 2, 8, 8});
+  std::vector<float> x(64, 1.0f);
+  constexpr std::int64_t big = std::int64_t{1} << 62;
+  kvq::kv_tensor<float> const t{x.data(), 2, 2, 8, big, big};
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(0, t, t); }, "make rows of 8 elements overlap");
+  CHECK(c.size(0) == 0);
+  // Non-overlapping (token-major and head-major) but beyond the address space.
+  kvq::kv_tensor<float> const token_major{x.data(), 2, 2, 8, big, big / 2};
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(0, token_major, token_major); }, "address space");
+  kvq::kv_tensor<float> const head_major{x.data(), 3, 2, 8, big / 4, big};
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(0, head_major, head_major); }, "address space");
+  kvq::kv_tensor<float> const max_strides{x.data(), 2, 2, 8, std::numeric_limits<std::int64_t>::max(), 8};
+  require_error_unchanged<kvq::shape_error>(
+      c, [&] { c.append(0, max_strides, max_strides); }, "address space");
+  CHECK(c.size(0) == 0);
+  // Large strides that are valid and in range still work (a single token ignores its token stride).
+  kvq::kv_tensor<float> const one{x.data(), 1, 2, 8, big, 16};
+  c.append(0, one, one);
+  CHECK(c.size(0) == 1);
+}
+
+/// x with every finite element beyond ±65504 clipped to ±65504 (what the KIVI residual stores).
+auto f16_saturate(row_t x) -> row_t {
+  for (auto& v : x)
+    if (std::isfinite(v)) v = std::clamp(v, -65504.0f, 65504.0f);
+  return f16_round(x);
+}
+
+TEST_CASE("cache: KIVI saturates finite inputs beyond the f16 range instead of poisoning the group", "[cache][kivi]") {
+  for (int residual : {0, 32}) {
+    INFO("R = " << residual);
+    using C = kvq::kivi<4>;
+    cache_of<C> c({1, 1, 32, 128}, make_options<C>(residual));
+    std::vector<float> k(sz(64 * 32), 1.0f), v(k.size(), 1.0f);
+    k[0] = 1e5f;
+    v[0] = 1e5f;
+    k[1] = -3e38f;
+    v[1] = -3e38f;
+    c.append(0, kvq::token_major(k.data(), 64, 1, 32), kvq::token_major(v.data(), 64, 1, 32));
+    CHECK(c.nonfinite_blocks(0) == kvq::nonfinite_report{});
+    // The expectation: the codec itself on the saturated rows, bit for bit.
+    row_t const v0 = f16_saturate(row_t(v.begin(), v.begin() + 32));
+    CHECK(v0[0] == 65504.0f);
+    CHECK(v0[1] == -65504.0f);
+    row_t const v0_read = row_roundtrip<kvq::kivi_value<4>>(v0, {});
+    std::vector<float> tile(sz(32 * 32));
+    for (std::size_t t = 0; t < 32; ++t) {
+      row_t const r = f16_saturate(
+          row_t(k.begin() + static_cast<std::ptrdiff_t>(t * 32), k.begin() + static_cast<std::ptrdiff_t>(t * 32 + 32)));
+      std::copy(r.begin(), r.end(), tile.begin() + static_cast<std::ptrdiff_t>(t * 32));
+    }
+    std::vector<std::uint8_t> bytes(kvq::kivi_key<4>::geometry(32).bytes());
+    kvq::kivi_key<4>::encode_tile(tile.data(), 32, 32, bytes.data());
+    std::vector<float> out(sz(64 * 32));
+    c.read_keys(0, 0, 0, 64, out.data());
+    for (int t = 0; t < 32; ++t) {
+      row_t want(32);
+      kvq::kivi_key<4>::decode_token(bytes.data(), 32, t, want.data());
+      for (int ch = 0; ch < 32; ++ch) {
+        INFO("key token " << t << " channel " << ch);
+        REQUIRE(kvq_test::bits(out[sz(t * 32 + ch)]) == kvq_test::bits(want[sz(ch)]));
+      }
+    }
+    c.read_values(0, 0, 0, 64, out.data());
+    for (int ch = 0; ch < 32; ++ch) {
+      INFO("value channel " << ch);
+      CHECK(kvq_test::bits(out[sz(ch)]) == kvq_test::bits(v0_read[sz(ch)]));
+    }
+    for (float x : out) CHECK(std::isfinite(x));
+  }
+}
+
+TEST_CASE("cache: a truncated KIVI key group decoded beyond 65504 goes back to the residual saturated",
+          "[cache][kivi][truncate]") {
+  // A channel of {-65504, 65504, 0, ...}: scale fp16(131008 / 15) = 8736, so code 15 decodes to
+  // -65504 + 15 * 8736 = 65536, beyond the f16 range.
+  using C = kvq::kivi<4>;
+  cache_of<C> c({1, 1, 32, 128}, make_options<C>(0));
+  std::vector<float> k(sz(64 * 32), 0.0f), v(k.size(), 0.5f);
+  k[0] = -65504.0f;
+  k[32] = 65504.0f;
+  c.append(0, kvq::token_major(k.data(), 32, 1, 32), kvq::token_major(v.data(), 32, 1, 32));
+  std::vector<float> out(sz(64 * 32));
+  c.read_keys(0, 0, 0, 2, out.data());
+  CHECK(out[32] == 65536.0f);  // the quantized group's decoded value
+  c.truncate(5);               // tokens 0-4 go back to the f16 residual
+  c.read_keys(0, 0, 0, 5, out.data());
+  CHECK(out[0] == -65504.0f);
+  CHECK(out[32] == 65504.0f);  // saturated, not +Inf
+  c.append(0, kvq::token_major(k.data() + 5 * 32, 27, 1, 32), kvq::token_major(v.data(), 27, 1, 32));
+  CHECK(c.key_storage(0, 0).quantized_tokens == 32);
+  CHECK(c.nonfinite_blocks(0) == kvq::nonfinite_report{});
+  c.read_keys(0, 0, 0, 32, out.data());
+  for (std::size_t i = 0; i < sz(32 * 32); ++i) CHECK(std::isfinite(out[i]));
+}
+
+TEST_CASE("cache: KIVI NaN and Inf inputs still poison their group", "[cache][kivi][nan]") {
+  using C = kvq::kivi<2>;
+  cache_of<C> c({1, 1, 64, 64}, make_options<C>(0));
+  std::vector<float> k(sz(32 * 64), 0.25f), v(k.size(), 0.25f);
+  k[3] = std::numeric_limits<float>::infinity();
+  v[64 + 40] = nan_f;
+  c.append(0, kvq::token_major(k.data(), 32, 1, 64), kvq::token_major(v.data(), 32, 1, 64));
+  CHECK(c.nonfinite_blocks(0) == kvq::nonfinite_report{1, 1});  // key channel 3; value row 1, group 1
+  std::vector<float> out(sz(32 * 64));
+  c.read_keys(0, 0, 0, 32, out.data());
+  for (int t = 0; t < 32; ++t) CHECK(std::isnan(out[sz(t * 64 + 3)]));
+  c.read_values(0, 0, 1, 1, out.data());
+  CHECK(std::isnan(out[40]));
+  CHECK(std::isnan(out[63]));
+  CHECK(out[31] == 0.25f);
+}
+
+TEST_CASE("cache: nonfinite_blocks counts q8_0/q4_0 scale overflow and poisoned blocks", "[cache][nan]") {
+  // q8_0: amax 1e7 gives d = 78740 -> fp16 +Inf (ggml's bytes): the block reads {inf, nan, ...}.
+  std::vector<float> x(64, 1.0f);
+  x[0] = 1e7f;
+  {
+    cache_of<kvq::q8_0> c({2, 1, 64, 8});
+    c.append(0, kvq::token_major(x.data(), 1, 1, 64), kvq::token_major(x.data(), 1, 1, 64));
+    std::vector<float> const ones(64, 1.0f);
+    c.append(1, kvq::token_major(ones.data(), 1, 1, 64), kvq::token_major(ones.data(), 1, 1, 64));
+    CHECK(c.nonfinite_blocks(0) == kvq::nonfinite_report{1, 1});
+    CHECK(c.nonfinite_blocks(1) == kvq::nonfinite_report{});
+    CHECK(c.nonfinite_blocks() == kvq::nonfinite_report{1, 1});
+    CHECK(c.nonfinite_blocks().total() == 2);
+    std::vector<std::uint8_t> want(kvq::q8_0::geometry(64).bytes());
+    kvq::q8_0::encode_row(x.data(), 64, want.data());
+    CHECK(std::memcmp(c.key_storage(0, 0).units, want.data(), want.size()) == 0);  // ggml's bytes
+    std::vector<float> out(64);
+    c.read_keys(0, 0, 0, 1, out.data());
+    CHECK(out[0] == std::numeric_limits<float>::infinity());
+    CHECK(std::isnan(out[1]));
+    CHECK(std::fabs(out[32] - 1.0f) < 1e-3f);  // the second block is fine
+    require_error_unchanged<kvq::index_error>(
+        c, [&] { (void)c.nonfinite_blocks(2); }, "layer 2 is out of range");
+  }
+  // q4_0: |max| 6e5 gives |d| = 75000 -> fp16 Inf.
+  {
+    std::vector<float> y(32, 1.0f);
+    y[5] = -6e5f;
+    cache_of<kvq::q4_0> c({1, 1, 32, 8});
+    c.append(0, kvq::token_major(y.data(), 1, 1, 32), kvq::token_major(x.data() + 32, 1, 1, 32));
+    CHECK(c.nonfinite_blocks(0) == kvq::nonfinite_report{1, 0});
+    y[5] = -5e5f;  // |d| = 62500: finite
+    c.append(0, kvq::token_major(y.data(), 1, 1, 32), kvq::token_major(y.data(), 1, 1, 32));
+    CHECK(c.nonfinite_blocks(0) == kvq::nonfinite_report{1, 0});
+  }
+  // int8: only NaN/Inf input (fp32 scale); f16 and fp8 have no scales.
+  {
+    std::vector<float> y(32, 1.0f);
+    y[7] = nan_f;
+    cache_of<kvq::int8_sym> c({1, 1, 32, 8});
+    c.append(0, kvq::token_major(y.data(), 1, 1, 32), kvq::token_major(x.data(), 1, 1, 32));
+    CHECK(c.nonfinite_blocks(0) == kvq::nonfinite_report{1, 0});
+    cache_of<kvq::f16_codec> f({1, 1, 32, 8});
+    f.append(0, kvq::token_major(y.data(), 1, 1, 32), kvq::token_major(x.data(), 1, 1, 32));
+    CHECK(f.nonfinite_blocks(0) == kvq::nonfinite_report{});
+  }
+}
+
+TEST_CASE("cache: plan_memory refuses what the constructor refuses", "[cache][memory][errors]") {
+  using kvq::invalid_argument_error;
+  require_error<invalid_argument_error>([] { (void)kvq::plan_memory<kvq::f32_codec>({1, 1, 8, -5}); }, "capacity = -5");
+  require_error<invalid_argument_error>([] { (void)kvq::plan_memory<kvq::q8_0>({0, 1, 8, 16}); }, "layers = 0");
+  require_error<invalid_argument_error>([] { (void)kvq::plan_memory<kvq::q8_0>({1, -1, 8, 16}); }, "kv_heads = -1");
+  require_error<invalid_argument_error>(
+      [] {
+        (void)kvq::plan_memory<kvq::q8_0>({1, 1, 70000, 16});
+      },
+      "head_dim = 70000");
+  require_error<invalid_argument_error>(
+      [] {
+        (void)kvq::plan_memory<kvq::kivi<4>>({1, 1, 8, 64}, 31);
+      },
+      "KIVI residual R = 31");
+  require_error<invalid_argument_error>([] { (void)kvq::plan_memory<kvq::kivi<4>>({1, 1, 8, 64}, -32); }, "R = -32");
+  require_error<invalid_argument_error>(
+      [] {
+        (void)kvq::plan_memory<kvq::f32_codec>({1 << 20, 1 << 20, 65536, std::int64_t{1} << 40});
+      },
+      "bytes");
+  // R is ignored without a KIVI part; valid shapes are sized as before.
+  CHECK(kvq::plan_memory<kvq::q8_0>({1, 1, 128, 64}, 31).bits_per_element == 8.5);
+  CHECK(kvq::plan_memory<kvq::kivi<4>>({1, 1, 128, 4096}, 0).total_bytes ==
+        cache_of<kvq::kivi<4>>({1, 1, 128, 4096}, make_options<kvq::kivi<4>>(0)).memory().total_bytes);
 }
 
 // ---------------------------------------------------------------------------------------------

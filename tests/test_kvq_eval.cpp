@@ -73,7 +73,8 @@ void validate(json const& schema, json const& v, std::string const& path, std::v
     if (schema.contains("minItems") && v.size() < schema["minItems"].get<std::size_t>())
       errors.push_back(path + ": too few items");
     if (schema.contains("items"))
-      for (std::size_t i = 0; i < v.size(); ++i) validate(schema["items"], v[i], path + "[" + std::to_string(i) + "]", errors);
+      for (std::size_t i = 0; i < v.size(); ++i)
+        validate(schema["items"], v[i], path + "[" + std::to_string(i) + "]", errors);
   }
 }
 
@@ -129,9 +130,11 @@ TEST_CASE("kvq-eval writes JSON that follows the repository's JSON Schema", "[kv
   CHECK(doc["context"] == 256);
   REQUIRE(doc["results"].size() == 6);
   for (auto const& r : doc["results"]) {
-    bool const kivi = r["k_codec"].get<std::string>().starts_with("kivi") || r["v_codec"].get<std::string>().starts_with("kivi");
+    bool const kivi =
+        r["k_codec"].get<std::string>().starts_with("kivi") || r["v_codec"].get<std::string>().starts_with("kivi");
     CHECK(r["group"].is_null() == !kivi);
     CHECK(r["residual"].is_null() == !kivi);
+    CHECK(r["nonfinite_blocks"] == 0);  // the synthetic workload never overflows a scale
   }
   // Exact numbers that do not depend on timing: bits per element at the full context.
   auto const& res = doc["results"];
@@ -170,7 +173,8 @@ TEST_CASE("the schema validator rejects documents that break the schema", "[kvq-
                   {"attn_cosine", 0.999},
                   {"encode_gbps", 1.0},
                   {"decode_gbps", 2.0},
-                  {"attn_speedup_vs_f16", 1.5}}}}};
+                  {"attn_speedup_vs_f16", 1.5},
+                  {"nonfinite_blocks", 0}}}}};
   CHECK(errors_of(schema, good).empty());
   json bad = good;
   bad["results"][0].erase("k_snr_db");
@@ -187,13 +191,19 @@ TEST_CASE("the schema validator rejects documents that break the schema", "[kvq-
   bad = good;
   bad["results"][0]["top1_agreement"] = 1.5;
   CHECK(!errors_of(schema, bad).empty());
+  bad = good;
+  bad["results"][0].erase("nonfinite_blocks");
+  CHECK(!errors_of(schema, bad).empty());
+  bad = good;
+  bad["results"][0]["nonfinite_blocks"] = -1;
+  CHECK(!errors_of(schema, bad).empty());
 }
 
 TEST_CASE("kvq-eval reports bad arguments and unreadable files in one line with a non-zero exit", "[kvq-eval]") {
   auto const dir = temp_dir("args");
-  for (std::string const args :
-       {"--bogus", "--context", "--context -5", "--configs nope", "--model missing.bin",
-        "--model missing.bin --tokenizer missing.tok --text missing.txt", "--json /nonexistent-dir/x.json --context 64 --layers 1 --configs f16"}) {
+  for (std::string const args : {"--bogus", "--context", "--context -5", "--configs nope", "--model missing.bin",
+                                 "--model missing.bin --tokenizer missing.tok --text missing.txt",
+                                 "--json /nonexistent-dir/x.json --context 64 --layers 1 --configs f16"}) {
     INFO(args);
     int const rc = run_eval(args, dir);
     CHECK(rc == 2);

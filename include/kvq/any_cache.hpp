@@ -27,10 +27,10 @@ KVQ_NAMESPACE_BEGIN
 
 /// Options of a facade cache.
 struct any_cache_options {
-  int residual = 128;                           ///< KIVI residual length R (multiple of 32)
-  fp8_params key_fp8{};                         ///< fp8 scale and overflow mode of fp8 keys
-  fp8_params value_fp8{};                       ///< fp8 scale and overflow mode of fp8 values
-  std::pmr::memory_resource* memory = nullptr;  ///< allocator hook; nullptr = the default resource
+  int residual = 128;                      ///< KIVI residual length R (multiple of 32)
+  fp8_params key_fp8{};                    ///< fp8 scale and overflow mode of fp8 keys
+  fp8_params value_fp8{};                  ///< fp8 scale and overflow mode of fp8 values
+  kvq::memory_resource* memory = nullptr;  ///< allocator hook; nullptr = the default resource
 };
 
 /// The run-time interface of a cache whose codecs were chosen by name.
@@ -50,10 +50,12 @@ class any_cache {
   virtual void append(int layer, kv_tensor<float> const& keys, kv_tensor<float> const& values) = 0;
   virtual void append(int layer, kv_tensor<f16> const& keys, kv_tensor<f16> const& values) = 0;
   virtual void append(int layer, kv_tensor<bf16> const& keys, kv_tensor<bf16> const& values) = 0;
-  /// Reads keys [first, first + count) of (layer, head) as f32 rows `stride` apart (0 = head_dim).
+  /// Reads keys [first, first + count) of (layer, head) as f32 rows `stride` apart (0 = head_dim);
+  /// preconditions and errors as QuantizedKVCache::read_keys.
   virtual void read_keys(int layer, int head, std::int64_t first, std::int64_t count, float* out,
                          std::int64_t stride = 0) const = 0;
-  /// Reads values [first, first + count) of (layer, head) as f32 rows `stride` apart (0 = head_dim).
+  /// Reads values [first, first + count) of (layer, head) as f32 rows `stride` apart (0 = head_dim);
+  /// preconditions and errors as QuantizedKVCache::read_values.
   virtual void read_values(int layer, int head, std::int64_t first, std::int64_t count, float* out,
                            std::int64_t stride = 0) const = 0;
   /// See QuantizedKVCache::truncate.
@@ -64,10 +66,15 @@ class any_cache {
   virtual void reset() = 0;
   /// Memory use, every byte accounted for.
   virtual auto memory() const -> memory_report = 0;
-  /// Decode attention of q (q_heads, head_dim) over `layer` into out (q_heads, head_dim).
+  /// Stored blocks of `layer` whose scale is NaN or ±Inf (see QuantizedKVCache::nonfinite_blocks).
+  virtual auto nonfinite_blocks(int layer) const -> nonfinite_report = 0;
+  /// Stored blocks of every layer whose scale is NaN or ±Inf.
+  virtual auto nonfinite_blocks() const -> nonfinite_report = 0;
+  /// Decode attention of q (q_heads, head_dim) over `layer` into out (q_heads, head_dim); see
+  /// decode_attention (a null q or out raises shape_error).
   virtual void attention(int layer, float const* q, int q_heads, float* out,
                          attention_options const& opt = {}) const = 0;
-  /// Partial attention over tokens [begin, end) of `layer` (split form).
+  /// Partial attention over tokens [begin, end) of `layer` (split form; see attend_range).
   virtual auto attend(int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
                       attention_options const& opt = {}) const -> attention_partial = 0;
 };
@@ -75,14 +82,16 @@ class any_cache {
 /// The (key, value) codec name pairs the facade can build.
 inline auto supported_codec_pairs() -> std::vector<std::pair<std::string_view, std::string_view>>;
 
-/// Builds a cache with the named key and value codecs for every layer; raises unsupported_error
-/// for a pair outside `supported_codec_pairs()` (the message lists them).
+/// Builds a cache with the named key and value codecs for every layer; raises
+/// invalid_argument_error for an invalid shape (checked first) or option, unsupported_error for a
+/// pair outside `supported_codec_pairs()` (the message lists them).
 inline auto make_any_cache(cache_shape const& shape, std::string_view key_codec, std::string_view value_codec,
                            any_cache_options const& opt = {}) -> std::unique_ptr<any_cache>;
 
-/// Builds a cache with one (key, value) codec pair per layer (`per_layer.size() == shape.layers`).
-inline auto make_any_cache(cache_shape const& shape,
-                           std::vector<std::pair<std::string, std::string>> const& per_layer,
+/// Builds a cache with one (key, value) codec pair per layer. Raises invalid_argument_error for an
+/// invalid shape or option (as the single-pair overload does), then shape_error unless
+/// `per_layer.size() == shape.layers`, unsupported_error for a pair outside `supported_codec_pairs()`.
+inline auto make_any_cache(cache_shape const& shape, std::vector<std::pair<std::string, std::string>> const& per_layer,
                            any_cache_options const& opt = {}) -> std::unique_ptr<any_cache>;
 
 namespace detail {
@@ -122,6 +131,8 @@ class any_cache_model final : public any_cache {
   void shift_left(std::int64_t n) override { cache_.shift_left(n); }
   void reset() override { cache_.reset(); }
   auto memory() const -> memory_report override { return cache_.memory(); }
+  auto nonfinite_blocks(int layer) const -> nonfinite_report override { return cache_.nonfinite_blocks(layer); }
+  auto nonfinite_blocks() const -> nonfinite_report override { return cache_.nonfinite_blocks(); }
   void attention(int layer, float const* q, int q_heads, float* out, attention_options const& opt) const override {
     decode_attention(cache_, layer, q, q_heads, out, opt);
   }
@@ -162,11 +173,11 @@ auto make_model(cache_shape const& s, any_cache_options const& o, std::string_vi
   return std::make_unique<any_cache_model<Choice>>(s, k, v, o);
 }
 
-#define KVQ_ANY_CACHE_ENTRY(KNAME, VNAME, ...)                                                 \
-  any_cache_entry {                                                                            \
+#define KVQ_ANY_CACHE_ENTRY(KNAME, VNAME, ...)                                                         \
+  any_cache_entry {                                                                                    \
     KNAME, VNAME, [](cache_shape const& s, any_cache_options const& o) -> std::unique_ptr<any_cache> { \
-      return make_model<__VA_ARGS__>(s, o, KNAME, VNAME);                                      \
-    }                                                                                          \
+      return make_model<__VA_ARGS__>(s, o, KNAME, VNAME);                                              \
+    }                                                                                                  \
   }
 
 /// The explicit list of instantiations behind the facade.
@@ -226,16 +237,19 @@ class layered_any_cache final : public any_cache {
     for (auto& l : layers_) l->truncate(n);
   }
   void shift_left(std::int64_t n) override {
-    // Validate on every layer first so that a failure leaves every layer unchanged.
+    // Validate on every layer first so that a failure leaves every layer unchanged; the checks in
+    // the order of QuantizedKVCache::shift_left (sign, then the KIVI multiple, then the lengths).
     check<invalid_argument_error>(n >= 0, "shift_left: n = " + std::to_string(n) + " is negative");
     for (std::size_t i = 0; i < layers_.size(); ++i) {
-      std::int64_t const len = layers_[i]->size(0);
-      check<index_error>(len == 0 || n <= len, "shift_left: layer " + std::to_string(i) + " holds " +
-                                                   std::to_string(len) + " tokens, cannot drop " + std::to_string(n));
       std::string_view const k = layers_[i]->key_codec_name(0);
       if (k.starts_with("kivi"))
         check<unsupported_error>(n % 32 == 0, "shift_left: KIVI keys of layer " + std::to_string(i) +
                                                   " shift by multiples of G = 32, not " + std::to_string(n));
+    }
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      std::int64_t const len = layers_[i]->size(0);
+      check<index_error>(len == 0 || n <= len, "shift_left: layer " + std::to_string(i) + " holds " +
+                                                   std::to_string(len) + " tokens, cannot drop " + std::to_string(n));
     }
     for (auto& l : layers_) l->shift_left(n);
   }
@@ -258,6 +272,16 @@ class layered_any_cache final : public any_cache {
                          (cap * shape_.layers * shape_.kv_heads * static_cast<double>(shape_.head_dim) * 2.0);
     return m;
   }
+  auto nonfinite_blocks(int layer) const -> nonfinite_report override { return at(layer).nonfinite_blocks(0); }
+  auto nonfinite_blocks() const -> nonfinite_report override {
+    nonfinite_report r;
+    for (auto const& l : layers_) {
+      auto const x = l->nonfinite_blocks(0);
+      r.key_blocks += x.key_blocks;
+      r.value_blocks += x.value_blocks;
+    }
+    return r;
+  }
   void attention(int layer, float const* q, int q_heads, float* out, attention_options const& opt) const override {
     at(layer).attention(0, q, q_heads, out, opt);
   }
@@ -268,9 +292,9 @@ class layered_any_cache final : public any_cache {
 
  private:
   auto at(int layer) const -> any_cache& {
-    check<index_error>(layer >= 0 && layer < shape_.layers, "layer " + std::to_string(layer) +
-                                                                " is out of range [0, " +
-                                                                std::to_string(shape_.layers) + ")");
+    check<index_error>(layer >= 0 && layer < shape_.layers, [&] {
+      return "layer " + std::to_string(layer) + " is out of range [0, " + std::to_string(shape_.layers) + ")";
+    });
     return *layers_[static_cast<std::size_t>(layer)];
   }
 
@@ -299,11 +323,13 @@ inline auto supported_codec_pairs() -> std::vector<std::pair<std::string_view, s
 
 inline auto make_any_cache(cache_shape const& shape, std::string_view key_codec, std::string_view value_codec,
                            any_cache_options const& opt) -> std::unique_ptr<any_cache> {
+  detail::check_cache_shape(shape, "cache");
   return detail::find_entry(key_codec, value_codec).make(shape, opt);
 }
 
 inline auto make_any_cache(cache_shape const& shape, std::vector<std::pair<std::string, std::string>> const& per_layer,
                            any_cache_options const& opt) -> std::unique_ptr<any_cache> {
+  detail::check_cache_shape(shape, "cache");  // the rule of the single-pair overload, before the pair count
   detail::check<shape_error>(static_cast<std::int64_t>(per_layer.size()) == shape.layers,
                              "make_any_cache: " + std::to_string(per_layer.size()) + " codec pairs for " +
                                  std::to_string(shape.layers) + " layers");

@@ -31,6 +31,7 @@
 #include "codec/int8.hpp"
 #include "codec/q4_0.hpp"
 #include "codec/q8_0.hpp"
+#include "detail/host_vector.hpp"
 
 KVQ_NAMESPACE_BEGIN
 
@@ -63,9 +64,9 @@ inline constexpr int attention_tile = 32;
 struct attention_partial {
   int q_heads = 0;
   int head_dim = 0;
-  std::vector<float> out;  ///< (q_heads, head_dim)
-  std::vector<float> max;  ///< (q_heads), −Inf when nothing was attended
-  std::vector<float> sum;  ///< (q_heads)
+  detail::vector<float> out;  ///< (q_heads, head_dim)
+  detail::vector<float> max;  ///< (q_heads), −Inf when nothing was attended
+  detail::vector<float> sum;  ///< (q_heads)
 
   /// An empty state (no token attended) for q_heads × head_dim.
   static auto empty(int q_heads, int head_dim) -> attention_partial {
@@ -184,16 +185,19 @@ auto attend_range_with(Cache const& cache, int layer, float const* q, int q_head
   std::int64_t const len = cache.size(layer);
   int const d = shape.head_dim;
   int const kv = shape.kv_heads;
-  check<shape_error>(q_heads > 0 && q_heads % kv == 0, "attention: " + std::to_string(q_heads) +
-                                                           " query heads is not a positive multiple of " +
-                                                           std::to_string(kv) + " kv heads");
-  check<shape_error>(q != nullptr, "attention: the query is null");
-  check<index_error>(begin >= 0 && begin <= end && end <= len,
-                     "attention: range [" + std::to_string(begin) + ", " + std::to_string(end) + ") is outside the " +
-                         std::to_string(len) + " tokens of layer " + std::to_string(layer));
-  check<invalid_argument_error>(std::isfinite(opt.scale) && opt.scale >= 0.0f && std::isfinite(opt.softcap) &&
-                                    opt.softcap >= 0.0f && opt.window >= 0,
-                                "attention: scale, softcap and window must be finite and non-negative");
+  check<shape_error>(q_heads > 0 && q_heads % kv == 0, [&] {
+    return "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
+           std::to_string(kv) + " kv heads";
+  });
+  check<shape_error>(q != nullptr, [] { return std::string("attention: the query is null"); });
+  check<index_error>(begin >= 0 && begin <= end && end <= len, [&] {
+    return "attention: range [" + std::to_string(begin) + ", " + std::to_string(end) + ") is outside the " +
+           std::to_string(len) + " tokens of layer " + std::to_string(layer);
+  });
+  check<invalid_argument_error>(
+      detail::is_finite_f32(opt.scale) && opt.scale >= 0.0f && detail::is_finite_f32(opt.softcap) &&
+          opt.softcap >= 0.0f && opt.window >= 0,
+      [] { return std::string("attention: scale, softcap and window must be finite and non-negative"); });
   if (opt.window > 0) begin = std::max(begin, len - opt.window);
   end = std::max(begin, end);
 
@@ -203,13 +207,14 @@ auto attend_range_with(Cache const& cache, int layer, float const* q, int q_head
 
   // The query as used in the products: f32, or rounded to q8_0 (kept as blocks for integer dots).
   std::size_t const hd = static_cast<std::size_t>(d);
-  std::vector<float> qf(q, q + static_cast<std::size_t>(q_heads) * hd);
+  detail::vector<float> qf(q, q + static_cast<std::size_t>(q_heads) * hd);
   int const q_nblocks = q8_0::geometry(d).blocks;
-  std::vector<block_q8_0> qb;
+  detail::vector<block_q8_0> qb;
   if (opt.query == query_precision::q8_0) {
     qb.resize(static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(q_nblocks));
     for (int h = 0; h < q_heads; ++h) {
-      auto* blocks = reinterpret_cast<std::uint8_t*>(qb.data() + static_cast<std::size_t>(h) * q_nblocks);
+      auto* blocks = reinterpret_cast<std::uint8_t*>(qb.data() +
+                                                     static_cast<std::size_t>(h) * static_cast<std::size_t>(q_nblocks));
       q8_0::encode_row(q + static_cast<std::size_t>(h) * hd, d, blocks);
       q8_0::decode_row(blocks, d, qf.data() + static_cast<std::size_t>(h) * hd);
     }
@@ -236,9 +241,9 @@ auto attend_range_with(Cache const& cache, int layer, float const* q, int q_head
     return part;
   }
 
-  std::vector<float> ktile(static_cast<std::size_t>(attention_tile) * hd);
-  std::vector<float> vtile(ktile.size());
-  std::vector<float> logits(static_cast<std::size_t>(attention_tile));
+  detail::vector<float> ktile(static_cast<std::size_t>(attention_tile) * hd);
+  detail::vector<float> vtile(ktile.size());
+  detail::vector<float> logits(static_cast<std::size_t>(attention_tile));
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
 
   for (int kh = 0; kh < kv; ++kh) {
@@ -256,11 +261,12 @@ auto attend_range_with(Cache const& cache, int layer, float const* q, int q_head
             if constexpr (integer_key_dot<key_codec>) {
               auto const* row = reinterpret_cast<std::uint8_t const*>(kview.units) +
                                 static_cast<std::size_t>(t0 + i) * kview.unit_bytes;
-              dot = integer_dot_row<key_codec>(row, d, qb.data() + static_cast<std::size_t>(h) * q_nblocks, q_nblocks);
+              dot = integer_dot_row<key_codec>(
+                  row, d, qb.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(q_nblocks), q_nblocks);
             }
           } else {
             float const* k = ktile.data() + static_cast<std::size_t>(i) * hd;
-            for (int c = 0; c < d; ++c) dot += qh[c] * k[c];
+            for (int c = 0; c < d; ++c) dot = madd_f32(qh[c], k[c], dot);
           }
           float s = dot * scale;
           if (opt.softcap > 0.0f) s = opt.softcap * std::tanh(s / opt.softcap);
@@ -282,7 +288,7 @@ auto attend_range_with(Cache const& cache, int layer, float const* q, int q_head
           float const pv = opt.probabilities == probability_precision::f16 ? to_f32(to_f16(p)) : p;
           sum += p;
           float const* v = vtile.data() + static_cast<std::size_t>(i) * hd;
-          for (int c = 0; c < d; ++c) o[c] += pv * v[c];
+          for (int c = 0; c < d; ++c) o[c] = madd_f32(pv, v[c], o[c]);
         }
       }
     }
@@ -293,7 +299,9 @@ auto attend_range_with(Cache const& cache, int layer, float const* q, int q_head
 }  // namespace detail
 
 /// Attends the query heads `q` (q_heads, head_dim) of `layer` to tokens [begin, end) of `cache`,
-/// returning the partial state. Raises index_error / shape_error on bad arguments. Runs the best
+/// returning the partial state. `q` must hold q_heads × head_dim floats. Raises index_error for a
+/// bad layer or range, shape_error for a null `q` or q_heads not a positive multiple of kv_heads,
+/// invalid_argument_error for a negative or non-finite scale / softcap or a negative window. Runs the best
 /// SIMD kernel compiled in (backend/cpu/attention_kernels.hpp), else the scalar reference; the two
 /// agree within fp32 rounding, and with a q8_0 query the q8_0 / q4_0 / int8 key logits are equal.
 template <class Cache>
@@ -302,29 +310,50 @@ auto attend_range(Cache const& cache, int layer, float const* q, int q_heads, st
   return detail::attend_range_with<detail::default_attention>(cache, layer, q, q_heads, begin, end, opt);
 }
 
-/// Merges the partial state `b` into `a` (same heads and head_dim, disjoint token ranges).
+namespace detail {
+
+/// True when the vectors of a partial state have the sizes its q_heads and head_dim say.
+inline auto partial_consistent(attention_partial const& p) -> bool {
+  if (p.q_heads < 0 || p.head_dim < 0) return false;
+  std::size_t const h = static_cast<std::size_t>(p.q_heads);
+  return p.out.size() == h * static_cast<std::size_t>(p.head_dim) && p.max.size() == h && p.sum.size() == h;
+}
+
+}  // namespace detail
+
+/// Merges the partial state `b` into `a` (same heads and head_dim, disjoint token ranges). Raises
+/// shape_error when the shapes differ or a state's vectors do not match its shape.
 inline void combine(attention_partial& a, attention_partial const& b) {
+  detail::check<shape_error>(detail::partial_consistent(a) && detail::partial_consistent(b),
+                             [] { return std::string("combine: a partial state's vectors do not match its shape"); });
   detail::check<shape_error>(a.q_heads == b.q_heads && a.head_dim == b.head_dim,
                              "combine: partial states of different shapes");
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   for (int h = 0; h < a.q_heads; ++h) {
     std::size_t const hh = static_cast<std::size_t>(h);
     float const ma = a.max[hh], mb = b.max[hh];
-    if (mb == neg_inf && !std::isnan(b.sum[hh])) continue;  // b attended nothing
-    float const m = std::isnan(ma) || std::isnan(mb) ? std::numeric_limits<float>::quiet_NaN() : std::max(ma, mb);
+    if (mb == neg_inf && !detail::is_nan_f32(b.sum[hh])) continue;  // b attended nothing
+    float const m =
+        detail::is_nan_f32(ma) || detail::is_nan_f32(mb) ? std::numeric_limits<float>::quiet_NaN() : std::max(ma, mb);
     float const ca = ma == neg_inf ? 0.0f : std::exp(ma - m);
     float const cb = std::exp(mb - m);
     float* oa = a.out.data() + hh * static_cast<std::size_t>(a.head_dim);
     float const* ob = b.out.data() + hh * static_cast<std::size_t>(a.head_dim);
-    for (int c = 0; c < a.head_dim; ++c) oa[c] = oa[c] * ca + ob[c] * cb;
-    a.sum[hh] = a.sum[hh] * ca + b.sum[hh] * cb;
+    for (int c = 0; c < a.head_dim; ++c) oa[c] = detail::madd_f32(oa[c], ca, detail::mul_rn(ob[c], cb));
+    a.sum[hh] = detail::madd_f32(a.sum[hh], ca, detail::mul_rn(b.sum[hh], cb));
     a.max[hh] = m;
   }
 }
 
-/// Writes the normalised output (q_heads, head_dim) of a partial state; heads that attended
-/// nothing output zeros.
+/// Writes the normalised output (q_heads, head_dim) of a partial state into `out`, which must hold
+/// q_heads × head_dim floats; heads that attended nothing output zeros. Raises shape_error for a
+/// null `out` (unless the state is empty) or a state whose vectors do not match its shape.
 inline void finalize(attention_partial const& p, float* out) {
+  detail::check<shape_error>(detail::partial_consistent(p), [] {
+    return std::string("finalize: the partial state's vectors do not match its shape");
+  });
+  detail::check<shape_error>(out != nullptr || p.out.empty(),
+                             [] { return std::string("finalize: the output is null"); });
   for (int h = 0; h < p.q_heads; ++h) {
     std::size_t const hh = static_cast<std::size_t>(h);
     float const s = p.sum[hh];
@@ -337,18 +366,25 @@ inline void finalize(attention_partial const& p, float* out) {
 }
 
 /// Decode attention of one query token over every token of `layer`: out (q_heads, head_dim).
+/// `q` and `out` must each hold q_heads × head_dim floats; raises index_error for a bad layer,
+/// shape_error for a null `q` or `out` or q_heads not a positive multiple of kv_heads,
+/// invalid_argument_error for bad options.
 template <class Cache>
 void decode_attention(Cache const& cache, int layer, float const* q, int q_heads, float* out,
                       attention_options const& opt = {}) {
-  auto const part = attend_range(cache, layer, q, q_heads, 0, cache.size(layer), opt);
+  std::int64_t const len = cache.size(layer);
+  detail::check<shape_error>(out != nullptr, [] { return std::string("attention: the output is null"); });
+  auto const part = attend_range(cache, layer, q, q_heads, 0, len, opt);
   finalize(part, out);
 }
 
 /// Decode attention split across `threads` std::threads (flash-decoding style), combined exactly.
+/// Preconditions and errors as decode_attention; threads < 1 raises invalid_argument_error.
 template <class Cache>
 void decode_attention_parallel(Cache const& cache, int layer, float const* q, int q_heads, float* out, int threads,
                                attention_options const& opt = {}) {
   std::int64_t const len = cache.size(layer);
+  detail::check<shape_error>(out != nullptr, [] { return std::string("attention: the output is null"); });
   detail::check<invalid_argument_error>(threads >= 1,
                                         "attention: threads = " + std::to_string(threads) + " must be >= 1");
   std::int64_t const begin = opt.window > 0 ? std::max<std::int64_t>(0, len - opt.window) : 0;
@@ -361,8 +397,8 @@ void decode_attention_parallel(Cache const& cache, int layer, float const* q, in
   // Split on tile boundaries so the result is independent of the thread count up to the merge.
   std::int64_t const tiles = (span + attention_tile - 1) / attention_tile;
   std::vector<attention_partial> partials(static_cast<std::size_t>(parts));
-  std::vector<std::thread> pool;
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(parts));
+  detail::vector<std::thread> pool;
+  detail::vector<std::exception_ptr> errors(static_cast<std::size_t>(parts));
   pool.reserve(static_cast<std::size_t>(parts));
   try {
     for (int p = 0; p < parts; ++p) {

@@ -23,18 +23,27 @@
 //   * truncate(n) cutting into a quantized key group dequantizes that group back into the residual
 //     (lossy: the tokens keep their quantization error); values already quantized stay quantized and
 //     the window refills with new tokens.
+//   * f16 range: every value stored in the residual or window (and every R = 0 value) is rounded
+//     to f16 saturating: finite values beyond ±65504 become ±65504 (as the KIVI codec clips its
+//     parameters), never ±Inf. NaN and ±Inf inputs are kept, and poison their quantized group
+//     (it decodes to NaN: the key channel's G tokens, or the value row's group of channels).
+//
+// Non-finite scales: q8_0 and q4_0 store ggml's fp16 scale, which overflows to Inf for finite
+// blocks with amax above ~8.3e6 (q8_0) or |max| above ~5.2e5 (q4_0); such blocks decode to ±Inf
+// and NaN (ggml's bytes, kept). NaN/Inf inputs poison the blocks of every scaled codec.
+// `nonfinite_blocks()` counts the stored blocks whose scale is not finite (a debug check).
 //
 // Threads: const member functions (reads, views, attention) may run concurrently; `append` on
 // different layers may run concurrently; anything else needs external synchronisation.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <limits>
-#include <memory_resource>
 #include <numeric>
 #include <string>
 #include <type_traits>
@@ -45,7 +54,9 @@
 #include "codec/codec.hpp"
 #include "codec/fp8.hpp"
 #include "codec/kivi.hpp"
+#include "detail/host_vector.hpp"
 #include "error.hpp"
+#include "memory_resource.hpp"
 
 KVQ_NAMESPACE_BEGIN
 
@@ -92,6 +103,17 @@ struct memory_report {
   std::size_t alignment_bytes = 0;  ///< bytes lost to 64-byte alignment
   double bytes_per_token = 0;       ///< total_bytes / capacity (all layers, K and V)
   double bits_per_element = 0;      ///< total_bytes * 8 / (capacity * layers * kv_heads * head_dim * 2)
+};
+
+/// Stored blocks whose scale is NaN or ±Inf, so that they decode to NaN or ±Inf (see
+/// `QuantizedKVCache::nonfinite_blocks`): a block is a q8_0 / q4_0 block of 32 channels, an int8
+/// row, a KIVI value group, or a KIVI key channel of one tile (G tokens).
+struct nonfinite_report {
+  std::int64_t key_blocks = 0;    ///< poisoned key blocks
+  std::int64_t value_blocks = 0;  ///< poisoned value blocks
+  /// key_blocks + value_blocks.
+  constexpr auto total() const noexcept -> std::int64_t { return key_blocks + value_blocks; }
+  friend constexpr bool operator==(nonfinite_report const&, nonfinite_report const&) = default;
 };
 
 /// A non-owning view of one (layer, kv_head)'s key or value storage.
@@ -184,11 +206,144 @@ inline void row_to_f16(float const* src, int head_dim, f16* dst) { cpu_kernels::
 /// Widens an f16 row to float.
 inline void row_from_f16(f16 const* src, int head_dim, float* dst) { cpu_kernels::convert_to_f32(src, dst, head_dim); }
 
+/// Largest finite f16 value.
+inline constexpr float f16_max = 65504.0f;
+
+/// Clips the finite elements of a row to [-65504, 65504] in place (NaN and ±Inf are kept), so that
+/// rounding it to f16 saturates instead of overflowing to ±Inf: the KIVI residual and window store
+/// finite inputs beyond the f16 range as ±65504, as the KIVI codec clips its parameters.
+inline void saturate_to_f16_range(float* row, int head_dim) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  for (int i = 0; i < head_dim; ++i) {
+    float const x = row[i];
+    if (x > f16_max && x != inf) row[i] = f16_max;
+    if (x < -f16_max && x != -inf) row[i] = -f16_max;
+  }
+}
+
+/// "[first, first + count)" for an error message, computed without overflowing int64.
+inline auto format_range(std::int64_t first, std::int64_t count) -> std::string {
+  constexpr std::int64_t lo = std::numeric_limits<std::int64_t>::min();
+  constexpr std::int64_t hi = std::numeric_limits<std::int64_t>::max();
+  bool const fits = count >= 0 ? first <= hi - count : first >= lo - count;
+  std::string const end = fits ? std::to_string(first + count) : std::to_string(first) + " + " + std::to_string(count);
+  return "[" + std::to_string(first) + ", " + end + ")";
+}
+
+/// True when a + b * n <= limit, for a, b, n >= 0 and limit >= 0 (no overflow on the way); on
+/// success a becomes a + b * n.
+inline auto add_product_within(std::int64_t& a, std::int64_t b, std::int64_t n, std::int64_t limit) -> bool {
+  if (a > limit) return false;
+  if (b == 0 || n == 0) return true;
+  if (n > (limit - a) / b) return false;
+  a += b * n;
+  return true;
+}
+
+/// Raises invalid_argument_error, naming `who`, unless 1 <= layers, 1 <= kv_heads,
+/// 1 <= head_dim <= 65536 and 1 <= capacity <= 2^40: the rule of every cache constructor,
+/// plan_memory and make_any_cache.
+inline void check_cache_shape(cache_shape const& s, char const* who) {
+  auto const w = [who] { return std::string(who) + ": "; };
+  check<invalid_argument_error>(s.layers > 0,
+                                [&] { return w() + "layers = " + std::to_string(s.layers) + " must be > 0"; });
+  check<invalid_argument_error>(s.kv_heads > 0,
+                                [&] { return w() + "kv_heads = " + std::to_string(s.kv_heads) + " must be > 0"; });
+  check<invalid_argument_error>(s.head_dim > 0 && s.head_dim <= 65536, [&] {
+    return w() + "head_dim = " + std::to_string(s.head_dim) + " must be in [1, 65536]";
+  });
+  check<invalid_argument_error>(s.capacity > 0 && s.capacity <= (std::int64_t{1} << 40), [&] {
+    return w() + "capacity = " + std::to_string(s.capacity) + " must be in [1, 2^40]";
+  });
+}
+
+/// Raises shape_error ("append: <what> strides (token ts, head hs) ...") unless the strides of an
+/// appended (tokens >= 0, kv_heads >= 1, head_dim >= 1) tensor of `element_bytes`-byte elements
+/// are non-negative, place rows of head_dim contiguous elements without overlap (heads within a
+/// token, or tokens within a head) and address no more elements, (tokens - 1) * ts +
+/// (kv_heads - 1) * hs + head_dim, than the address space holds (no real tensor is larger, so every
+/// row pointer is then computed without overflow). Products are compared by division
+/// (hs * kv_heads <= ts as hs <= ts / kv_heads), so nothing overflows. Every backend's rule.
+inline void check_tensor_strides(std::int64_t tokens, std::int64_t kv_heads, std::int64_t head_dim, std::int64_t ts,
+                                 std::int64_t hs, std::size_t element_bytes, char const* what) {
+  std::int64_t const d = head_dim;
+  bool const non_negative = ts >= 0 && hs >= 0;
+  bool const token_major_ok = non_negative && hs >= d && (tokens <= 1 || hs <= ts / kv_heads);
+  bool const head_major_ok = non_negative && ts >= d && (kv_heads <= 1 || tokens == 0 || ts <= hs / tokens);
+  bool const single = tokens <= 1 && kv_heads <= 1;
+  auto const strides = [&] {
+    return std::string("append: ") + what + " strides (token " + std::to_string(ts) + ", head " + std::to_string(hs) +
+           ")";
+  };
+  check<shape_error>(non_negative && (single || token_major_ok || head_major_ok),
+                     [&] { return strides() + " make rows of " + std::to_string(d) + " elements overlap"; });
+  std::int64_t extent = d;
+  std::int64_t const limit = std::numeric_limits<std::ptrdiff_t>::max() / static_cast<std::int64_t>(element_bytes);
+  check<shape_error>(tokens == 0 || (add_product_within(extent, ts, tokens - 1, limit) &&
+                                     add_product_within(extent, hs, kv_heads - 1, limit)),
+                     [&] {
+                       return strides() + " for " + std::to_string(tokens) +
+                              " tokens address more elements than the address space holds";
+                     });
+}
+
+/// Stored scales of one encoded unit (row or tile) of codec C that are NaN or ±Inf: q8_0 / q4_0
+/// blocks, the int8 row scale, KIVI groups (value blocks, key channels). A unit decodes to NaN or
+/// ±Inf exactly where its scale is not finite. Codecs without scales (f32, f16, fp8) have none.
+template <class C>
+inline auto nonfinite_scales(std::uint8_t const* unit, int head_dim) -> std::int64_t {
+  std::int64_t n = 0;
+  if constexpr (std::is_same_v<C, q8_0> || std::is_same_v<C, q4_0> || has_value_window<C>::value) {
+    auto const g = C::geometry(head_dim);
+    for (int b = 0; b < g.blocks; ++b) {
+      std::uint8_t const* p = unit + static_cast<std::size_t>(b) * g.block_bytes;
+      auto const bits = static_cast<u16>(p[0] | (static_cast<unsigned>(p[1]) << 8));  // fp16 d / scale, little-endian
+      n += (bits & 0x7c00u) == 0x7c00u ? 1 : 0;
+    }
+  } else if constexpr (std::is_same_v<C, int8_sym>) {
+    float scale;
+    std::memcpy(&scale, unit, sizeof scale);
+    n += std::isfinite(scale) ? 0 : 1;
+  } else if constexpr (C::layout == codec_layout::token_group) {
+    for (int c = 0; c < head_dim; ++c) n += std::isfinite(C::group_params(unit, head_dim, c).scale) ? 0 : 1;
+  } else {
+    (void)unit;
+    (void)head_dim;
+  }
+  return n;
+}
+
 }  // namespace detail
 
-/// Sizes a cache without allocating: the memory report a cache of this shape would have.
+/// Sizes a cache without allocating: the memory report a cache of this shape would have. Raises
+/// what the constructor would raise for this shape and residual (invalid_argument_error: a
+/// non-positive size, a KIVI residual that is not a non-negative multiple of G, a byte size beyond
+/// size_t).
 template <codec_choice Choice>
 auto plan_memory(cache_shape const& shape, int residual = 128) -> memory_report;
+
+namespace detail {
+
+/// plan_memory of a valid shape and residual (no checks) for key codec K and value codec V.
+template <codec K, codec V>
+auto plan_memory_unchecked(cache_shape const& shape, int residual) -> memory_report {
+  auto const k = region_layout<K, false>::make(shape, residual);
+  auto const v = region_layout<V, true>::make(shape, residual);
+  std::size_t const lh = static_cast<std::size_t>(shape.layers) * static_cast<std::size_t>(shape.kv_heads);
+  memory_report m;
+  m.key_bytes = lh * k.units_raw;
+  m.value_bytes = lh * v.units_raw;
+  m.residual_bytes = lh * (k.residual_raw + v.residual_raw);
+  m.total_bytes = lh * (k.bytes() + v.bytes());
+  m.alignment_bytes = m.total_bytes - m.key_bytes - m.value_bytes - m.residual_bytes;
+  double const cap = static_cast<double>(shape.capacity);
+  m.bytes_per_token = cap > 0 ? static_cast<double>(m.total_bytes) / cap : 0.0;
+  double const elems = cap * static_cast<double>(lh) * static_cast<double>(shape.head_dim) * 2.0;
+  m.bits_per_element = elems > 0 ? static_cast<double>(m.total_bytes) * 8.0 / elems : 0.0;
+  return m;
+}
+
+}  // namespace detail
 
 /// The quantized key/value cache of one sequence.
 ///
@@ -217,19 +372,22 @@ class QuantizedKVCache {
 
   /// Run-time options of a cache.
   struct options {
-    int residual = 128;    ///< KIVI residual length R (a multiple of G; 0 allowed); ignored otherwise
-    key_params key{};      ///< run-time parameters of the key codec (e.g. fp8 scale)
-    value_params value{};  ///< run-time parameters of the value codec
-    std::pmr::memory_resource* memory = nullptr;  ///< allocator hook; nullptr = the default resource
+    int residual = 128;                      ///< KIVI residual length R (a multiple of G; 0 allowed); ignored otherwise
+    key_params key{};                        ///< run-time parameters of the key codec (e.g. fp8 scale)
+    value_params value{};                    ///< run-time parameters of the value codec
+    kvq::memory_resource* memory = nullptr;  ///< allocator hook; nullptr = the default resource
   };
 
-  /// Allocates a cache of `shape`; raises invalid_argument_error on a bad shape or option.
+  /// Allocates a cache of `shape`; raises invalid_argument_error on a bad shape or option
+  /// (1 <= layers, kv_heads; 1 <= head_dim <= 65536; 1 <= capacity <= 2^40; KIVI R a non-negative
+  /// multiple of G; fp8 scales finite and > 0; the byte size within size_t), and propagates what
+  /// the memory resource throws. `options::memory`, when set, must outlive the cache.
   explicit QuantizedKVCache(cache_shape const& shape, options const& opt = options{})
       : shape_(validated(shape, opt)),
         opt_(opt),
         key_layout_(key_region::make(shape, opt.residual)),
         value_layout_(value_region::make(shape, opt.residual)) {
-    memory_ = opt_.memory ? opt_.memory : std::pmr::get_default_resource();
+    memory_ = opt_.memory ? opt_.memory : kvq::get_default_memory_resource();
     layer_bytes_ = static_cast<std::size_t>(shape_.kv_heads) * (key_layout_.bytes() + value_layout_.bytes());
     layers_.resize(static_cast<std::size_t>(shape_.layers));
     // Frees the layers allocated so far when an allocation fails (a guard rather than try/catch,
@@ -279,26 +437,31 @@ class QuantizedKVCache {
     return layers_[static_cast<std::size_t>(layer)].length;
   }
 
-  /// Appends `keys` and `values` (same token count) to `layer`.
+  /// Appends `keys` and `values` (same token count) to `layer`. Each tensor's `data` must point to
+  /// readable elements at every (t, h, c) its strides address. Raises index_error for a bad layer;
+  /// shape_error for heads / head_dim other than the cache's, a negative or unequal token count,
+  /// null data with tokens > 0, negative or overlapping strides, or an extent beyond the address
+  /// space; capacity_error past the capacity. On error nothing changes.
   template <element T>
   void append(int layer, kv_tensor<T> const& keys, kv_tensor<T> const& values) {
     check_layer(layer);
     check_tensor(keys, "keys");
     check_tensor(values, "values");
-    detail::check<shape_error>(keys.tokens == values.tokens, "append: keys have " + std::to_string(keys.tokens) +
-                                                                 " tokens but values have " +
-                                                                 std::to_string(values.tokens));
+    detail::check<shape_error>(keys.tokens == values.tokens, [&] {
+      return "append: keys have " + std::to_string(keys.tokens) + " tokens but values have " +
+             std::to_string(values.tokens);
+    });
     auto& st = layers_[static_cast<std::size_t>(layer)];
     std::int64_t const n = keys.tokens;
-    detail::check<capacity_error>(n <= shape_.capacity - st.length,
-                                  "append: layer " + std::to_string(layer) + " holds " + std::to_string(st.length) +
-                                      " tokens; appending " + std::to_string(n) + " exceeds the capacity of " +
-                                      std::to_string(shape_.capacity));
+    detail::check<capacity_error>(n <= shape_.capacity - st.length, [&] {
+      return "append: layer " + std::to_string(layer) + " holds " + std::to_string(st.length) + " tokens; appending " +
+             std::to_string(n) + " exceeds the capacity of " + std::to_string(shape_.capacity);
+    });
     if (n == 0) return;
     int const d = shape_.head_dim;
-    std::vector<float> row(static_cast<std::size_t>(d));
-    std::vector<float> scratch(static_cast<std::size_t>(d));
-    std::vector<float> tile;
+    detail::vector<float> row(static_cast<std::size_t>(d));
+    detail::vector<float> scratch(static_cast<std::size_t>(d));
+    detail::vector<float> tile;
     if constexpr (key_codec::layout == codec_layout::token_group)
       tile.resize(static_cast<std::size_t>(key_codec::group) * static_cast<std::size_t>(d));
     layer_state next = st;
@@ -317,14 +480,19 @@ class QuantizedKVCache {
     st = next;
   }
 
-  /// Reads keys [first, first + count) of (layer, head) into out, rows `out_stride` elements apart.
+  /// Reads keys [first, first + count) of (layer, head) into out, rows `out_stride` elements apart
+  /// (0 = head_dim); `out` must hold (count - 1) * stride + head_dim elements, of which only the first
+  /// head_dim of each row are written. Raises index_error for a bad layer, head or range;
+  /// shape_error for a stride below head_dim, a null `out` with count > 0, or rows that cannot fit in
+  /// the address space. On error `out` is untouched.
   template <element T>
   void read_keys(int layer, int head, std::int64_t first, std::int64_t count, T* out,
                  std::int64_t out_stride = 0) const {
     read_impl<true>(layer, head, first, count, out, out_stride);
   }
 
-  /// Reads values [first, first + count) of (layer, head) into out, rows `out_stride` elements apart.
+  /// Reads values [first, first + count) of (layer, head) into out, rows `out_stride` elements
+  /// apart; preconditions and errors as read_keys.
   template <element T>
   void read_values(int layer, int head, std::int64_t first, std::int64_t count, T* out,
                    std::int64_t out_stride = 0) const {
@@ -333,10 +501,11 @@ class QuantizedKVCache {
 
   /// Keeps the first n tokens of every layer (speculative-decoding rollback); layers holding n or
   /// fewer tokens are unchanged. Cutting into a quantized KIVI key group dequantizes it (lossy).
+  /// Raises invalid_argument_error for n < 0.
   void truncate(std::int64_t n) {
     detail::check<invalid_argument_error>(n >= 0, "truncate: n = " + std::to_string(n) + " is negative");
     int const d = shape_.head_dim;
-    std::vector<float> row(static_cast<std::size_t>(d));
+    detail::vector<float> row(static_cast<std::size_t>(d));
     for (auto& st : layers_) {
       if (st.length <= n) continue;
       if constexpr (key_codec::layout == codec_layout::token_group) {
@@ -349,6 +518,7 @@ class QuantizedKVCache {
             for (std::int64_t t = q; t < n; ++t) {
               cpu_kernels::decode_tile_tokens<key_codec>(reinterpret_cast<std::uint8_t const*>(tile), d,
                                                          static_cast<int>(t - q), 1, row.data(), d, opt_.key);
+              detail::saturate_to_f16_range(row.data(), d);  // a decoded group can reach 65536
               detail::row_to_f16(row.data(), d, res + (t - q) * d);
             }
           }
@@ -370,7 +540,7 @@ class QuantizedKVCache {
 
   /// Drops the oldest n tokens of every layer (sliding window). Raises index_error when a
   /// non-empty layer holds fewer than n tokens, unsupported_error for KIVI keys when n is not a
-  /// multiple of G.
+  /// multiple of G, invalid_argument_error for n < 0.
   void shift_left(std::int64_t n) {
     detail::check<invalid_argument_error>(n >= 0, "shift_left: n = " + std::to_string(n) + " is negative");
     if constexpr (key_codec::layout == codec_layout::token_group) {
@@ -416,9 +586,49 @@ class QuantizedKVCache {
   }
 
   /// Memory use of this cache.
-  auto memory() const noexcept -> memory_report { return plan_memory<Choice>(shape_, opt_.residual); }
+  auto memory() const noexcept -> memory_report {
+    return detail::plan_memory_unchecked<key_codec, value_codec>(shape_, opt_.residual);
+  }
 
-  /// Non-owning view of the key storage of (layer, head).
+  /// Counts the stored (quantized) blocks of `layer` whose scale is NaN or ±Inf, i.e. that decode
+  /// to NaN or ±Inf: blocks poisoned by NaN/Inf input, and q8_0 / q4_0 blocks whose fp16 scale
+  /// overflowed (finite amax above ~8.3e6 / |max| above ~5.2e5, as in ggml). A debug check that
+  /// reads every scale of the layer; tokens in a KIVI f16 residual or window are not blocks.
+  /// Raises index_error for a bad layer.
+  auto nonfinite_blocks(int layer) const -> nonfinite_report {
+    check_layer(layer);
+    auto const& st = layers_[static_cast<std::size_t>(layer)];
+    int const d = shape_.head_dim;
+    std::int64_t key_units_used = st.length;
+    if constexpr (key_codec::layout == codec_layout::token_group) key_units_used = st.key_quantized / key_codec::group;
+    std::int64_t value_rows = st.length;
+    if constexpr (detail::has_value_window<value_codec>::value) value_rows = st.value_quantized;
+    std::size_t const vb = value_codec::geometry(d).bytes();
+    nonfinite_report r;
+    for (int h = 0; h < shape_.kv_heads; ++h) {
+      auto const* k = reinterpret_cast<std::uint8_t const*>(key_units(st.base, h));
+      for (std::int64_t u = 0; u < key_units_used; ++u)
+        r.key_blocks += detail::nonfinite_scales<key_codec>(k + static_cast<std::size_t>(u) * key_unit_bytes(), d);
+      auto const* v = reinterpret_cast<std::uint8_t const*>(value_units(st.base, h));
+      for (std::int64_t u = 0; u < value_rows; ++u)
+        r.value_blocks += detail::nonfinite_scales<value_codec>(v + static_cast<std::size_t>(u) * vb, d);
+    }
+    return r;
+  }
+
+  /// nonfinite_blocks summed over every layer.
+  auto nonfinite_blocks() const -> nonfinite_report {
+    nonfinite_report r;
+    for (int l = 0; l < shape_.layers; ++l) {
+      auto const x = nonfinite_blocks(l);
+      r.key_blocks += x.key_blocks;
+      r.value_blocks += x.value_blocks;
+    }
+    return r;
+  }
+
+  /// Non-owning view of the key storage of (layer, head); its pointers stay valid until the cache
+  /// is destroyed or moved from, its counters until the next non-const call. Raises index_error.
   auto key_storage(int layer, int head) const -> storage_view {
     check_layer(layer);
     check_head(head);
@@ -438,7 +648,7 @@ class QuantizedKVCache {
     return v;
   }
 
-  /// Non-owning view of the value storage of (layer, head).
+  /// Non-owning view of the value storage of (layer, head); as key_storage.
   auto value_storage(int layer, int head) const -> storage_view {
     check_layer(layer);
     check_head(head);
@@ -458,7 +668,9 @@ class QuantizedKVCache {
     return v;
   }
 
-  /// Decodes keys [first, first + count) of (layer, head) to f32 rows `stride` apart (no checks).
+  /// Decodes keys [first, first + count) of (layer, head) to f32 rows `stride` apart. No checks:
+  /// the caller guarantees a valid layer and head, 0 <= first <= first + count <= size(layer),
+  /// stride >= head_dim and `out` holding (count - 1) * stride + head_dim floats.
   void decode_keys_unchecked(int layer, int head, std::int64_t first, std::int64_t count, float* out,
                              std::int64_t stride) const {
     auto const& st = layers_[static_cast<std::size_t>(layer)];
@@ -483,7 +695,8 @@ class QuantizedKVCache {
     }
   }
 
-  /// Decodes values [first, first + count) of (layer, head) to f32 rows `stride` apart (no checks).
+  /// Decodes values [first, first + count) of (layer, head) to f32 rows `stride` apart. No checks:
+  /// preconditions as decode_keys_unchecked.
   void decode_values_unchecked(int layer, int head, std::int64_t first, std::int64_t count, float* out,
                                std::int64_t stride) const {
     auto const& st = layers_[static_cast<std::size_t>(layer)];
@@ -507,15 +720,15 @@ class QuantizedKVCache {
 
   /// Raises index_error unless 0 <= layer < layers.
   void check_layer(int layer) const {
-    detail::check<index_error>(
-        layer >= 0 && layer < shape_.layers,
-        "layer " + std::to_string(layer) + " is out of range [0, " + std::to_string(shape_.layers) + ")");
+    detail::check<index_error>(layer >= 0 && layer < shape_.layers, [&] {
+      return "layer " + std::to_string(layer) + " is out of range [0, " + std::to_string(shape_.layers) + ")";
+    });
   }
   /// Raises index_error unless 0 <= head < kv_heads.
   void check_head(int head) const {
-    detail::check<index_error>(
-        head >= 0 && head < shape_.kv_heads,
-        "kv_head " + std::to_string(head) + " is out of range [0, " + std::to_string(shape_.kv_heads) + ")");
+    detail::check<index_error>(head >= 0 && head < shape_.kv_heads, [&] {
+      return "kv_head " + std::to_string(head) + " is out of range [0, " + std::to_string(shape_.kv_heads) + ")";
+    });
   }
 
  private:
@@ -542,14 +755,12 @@ class QuantizedKVCache {
     std::int64_t window_first = 0;     // KIVI values: ring slot of the oldest window token
   };
 
+  template <codec_choice C>
+  friend auto plan_memory(cache_shape const& shape, int residual) -> memory_report;  // validates with `validated`
+
   static auto validated(cache_shape const& s, options const& o) -> cache_shape {
     using detail::check;
-    check<invalid_argument_error>(s.layers > 0, "cache: layers = " + std::to_string(s.layers) + " must be > 0");
-    check<invalid_argument_error>(s.kv_heads > 0, "cache: kv_heads = " + std::to_string(s.kv_heads) + " must be > 0");
-    check<invalid_argument_error>(s.head_dim > 0 && s.head_dim <= 65536,
-                                  "cache: head_dim = " + std::to_string(s.head_dim) + " must be in [1, 65536]");
-    check<invalid_argument_error>(s.capacity > 0 && s.capacity <= (std::int64_t{1} << 40),
-                                  "cache: capacity = " + std::to_string(s.capacity) + " must be in [1, 2^40]");
+    detail::check_cache_shape(s, "cache");
     constexpr bool kivi_residual =
         key_codec::layout == codec_layout::token_group || detail::has_value_window<value_codec>::value;
     if constexpr (kivi_residual) {
@@ -592,21 +803,15 @@ class QuantizedKVCache {
 
   template <element T>
   void check_tensor(kv_tensor<T> const& x, char const* what) const {
-    std::string const w = std::string("append: ") + what;
-    detail::check<shape_error>(x.kv_heads == shape_.kv_heads && x.head_dim == shape_.head_dim,
-                               w + " have shape (" + std::to_string(x.kv_heads) + " heads, " +
-                                   std::to_string(x.head_dim) + " dims); the cache has (" +
-                                   std::to_string(shape_.kv_heads) + ", " + std::to_string(shape_.head_dim) + ")");
-    detail::check<shape_error>(x.tokens >= 0, w + " token count " + std::to_string(x.tokens) + " is negative");
-    detail::check<shape_error>(x.tokens == 0 || x.data != nullptr, w + " data is null");
-    // Rows of head_dim contiguous elements must not overlap: heads within a token, or tokens within a head.
-    std::int64_t const ts = x.token_stride, hs = x.head_stride, d = x.head_dim;
-    bool const token_major_ok = hs >= d && (x.tokens <= 1 || ts >= hs * x.kv_heads);
-    bool const head_major_ok = ts >= d && (x.kv_heads <= 1 || hs >= ts * x.tokens);
-    bool const single = x.tokens <= 1 && x.kv_heads <= 1;
-    detail::check<shape_error>(ts >= 0 && hs >= 0 && (single || token_major_ok || head_major_ok),
-                               w + " strides (token " + std::to_string(ts) + ", head " + std::to_string(hs) +
-                                   ") make rows of " + std::to_string(d) + " elements overlap");
+    auto const w = [what] { return std::string("append: ") + what; };
+    detail::check<shape_error>(x.kv_heads == shape_.kv_heads && x.head_dim == shape_.head_dim, [&] {
+      return w() + " have shape (" + std::to_string(x.kv_heads) + " heads, " + std::to_string(x.head_dim) +
+             " dims); the cache has (" + std::to_string(shape_.kv_heads) + ", " + std::to_string(shape_.head_dim) + ")";
+    });
+    detail::check<shape_error>(x.tokens >= 0,
+                               [&] { return w() + " token count " + std::to_string(x.tokens) + " is negative"; });
+    detail::check<shape_error>(x.tokens == 0 || x.data != nullptr, [&] { return w() + " data is null"; });
+    detail::check_tensor_strides(x.tokens, x.kv_heads, x.head_dim, x.token_stride, x.head_stride, sizeof(T), what);
   }
 
   auto alloc_size() const -> std::size_t { return layer_bytes_ == 0 ? storage_alignment : layer_bytes_; }
@@ -633,12 +838,13 @@ class QuantizedKVCache {
   }
 
   // Appends one key row (f32) of head h to the state s (length not yet advanced).
-  void push_key(std::byte* base, int h, layer_state& s, float* row, std::vector<float>& tile) const {
+  void push_key(std::byte* base, int h, layer_state& s, float* row, detail::vector<float>& tile) const {
     int const d = shape_.head_dim;
     if constexpr (key_codec::layout == codec_layout::token_group) {
       std::int64_t const f = key_layout_.residual_rows;
       f16* res = key_residual(base, h);
       std::int64_t const r = s.length - s.key_quantized;
+      detail::saturate_to_f16_range(row, d);  // finite beyond ±65504 -> ±65504, not Inf
       detail::row_to_f16(row, d, res + r * d);
       if (r + 1 == f) {  // the residual is full: quantize it as f/G groups from the stored f16 values
         std::int64_t const g = key_codec::group;
@@ -660,13 +866,14 @@ class QuantizedKVCache {
   }
 
   // Appends one value row (f32) of head h to the state s (length not yet advanced).
-  void push_value(std::byte* base, int h, layer_state& s, float* row, std::vector<float>& scratch) const {
+  void push_value(std::byte* base, int h, layer_state& s, float* row, detail::vector<float>& scratch) const {
     int const d = shape_.head_dim;
     std::size_t const rb = value_codec::geometry(d).bytes();
     auto* rows = reinterpret_cast<std::uint8_t*>(value_units(base, h));
     if constexpr (detail::has_value_window<value_codec>::value) {
       std::int64_t const r = value_layout_.residual_rows;
-      if (r == 0) {  // no window: quantize the f16-rounded value at once
+      detail::saturate_to_f16_range(row, d);  // finite beyond ±65504 -> ±65504, not Inf
+      if (r == 0) {                           // no window: quantize the f16-rounded value at once
         for (int i = 0; i < d; ++i) row[i] = to_f32(to_f16(row[i]));
         encode_one<value_codec>(row, d, rows + static_cast<std::size_t>(s.value_quantized) * rb, opt_.value);
         ++s.value_quantized;
@@ -723,16 +930,27 @@ class QuantizedKVCache {
     check_head(head);
     std::int64_t const len = layers_[static_cast<std::size_t>(layer)].length;
     char const* what = Keys ? "read_keys" : "read_values";
-    detail::check<index_error>(first >= 0 && count >= 0 && first <= len && count <= len - first,
-                               std::string(what) + ": range [" + std::to_string(first) + ", " +
-                                   std::to_string(first + count) + ") is outside the " + std::to_string(len) +
-                                   " tokens of layer " + std::to_string(layer));
+    detail::check<index_error>(first >= 0 && count >= 0 && first <= len && count <= len - first, [&] {
+      return std::string(what) + ": range " + detail::format_range(first, count) + " is outside the " +
+             std::to_string(len) + " tokens of layer " + std::to_string(layer);
+    });
     int const d = shape_.head_dim;
     std::int64_t const stride = out_stride == 0 ? d : out_stride;
-    detail::check<shape_error>(stride >= d, std::string(what) + ": output stride " + std::to_string(stride) +
-                                                " is smaller than head_dim " + std::to_string(d));
-    detail::check<shape_error>(count == 0 || out != nullptr, std::string(what) + ": output is null");
-    std::vector<float> row(static_cast<std::size_t>(d));
+    detail::check<shape_error>(stride >= d, [&] {
+      return std::string(what) + ": output stride " + std::to_string(stride) + " is smaller than head_dim " +
+             std::to_string(d);
+    });
+    detail::check<shape_error>(count == 0 || out != nullptr, [&] { return std::string(what) + ": output is null"; });
+    // The output spans (count - 1) * stride + head_dim elements: no buffer is larger than the address space.
+    std::int64_t extent = d;
+    detail::check<shape_error>(count == 0 || detail::add_product_within(extent, stride, count - 1,
+                                                                        std::numeric_limits<std::ptrdiff_t>::max() /
+                                                                            static_cast<std::int64_t>(sizeof(T))),
+                               [&] {
+                                 return std::string(what) + ": " + std::to_string(count) + " rows " +
+                                        std::to_string(stride) + " elements apart do not fit in the address space";
+                               });
+    detail::vector<float> row(static_cast<std::size_t>(d));
     for (std::int64_t i = 0; i < count; ++i) {
       if constexpr (Keys) {
         decode_keys_unchecked(layer, head, first + i, 1, row.data(), d);
@@ -747,29 +965,18 @@ class QuantizedKVCache {
   options opt_;
   key_region key_layout_;
   value_region value_layout_;
-  std::pmr::memory_resource* memory_ = nullptr;
+  kvq::memory_resource* memory_ = nullptr;
   std::size_t layer_bytes_ = 0;
   std::vector<layer_state> layers_;
 };
 
 template <codec_choice Choice>
 auto plan_memory(cache_shape const& shape, int residual) -> memory_report {
-  using K = typename codec_pair<Choice>::key;
-  using V = typename codec_pair<Choice>::value;
-  auto const k = detail::region_layout<K, false>::make(shape, residual);
-  auto const v = detail::region_layout<V, true>::make(shape, residual);
-  std::size_t const lh = static_cast<std::size_t>(shape.layers) * static_cast<std::size_t>(shape.kv_heads);
-  memory_report m;
-  m.key_bytes = lh * k.units_raw;
-  m.value_bytes = lh * v.units_raw;
-  m.residual_bytes = lh * (k.residual_raw + v.residual_raw);
-  m.total_bytes = lh * (k.bytes() + v.bytes());
-  m.alignment_bytes = m.total_bytes - m.key_bytes - m.value_bytes - m.residual_bytes;
-  double const cap = static_cast<double>(shape.capacity);
-  m.bytes_per_token = cap > 0 ? static_cast<double>(m.total_bytes) / cap : 0.0;
-  double const elems = cap * static_cast<double>(lh) * shape.head_dim * 2.0;
-  m.bits_per_element = elems > 0 ? static_cast<double>(m.total_bytes) * 8.0 / elems : 0.0;
-  return m;
+  typename QuantizedKVCache<Choice>::options o;
+  o.residual = residual;
+  (void)QuantizedKVCache<Choice>::validated(shape, o);
+  return detail::plan_memory_unchecked<typename codec_pair<Choice>::key, typename codec_pair<Choice>::value>(shape,
+                                                                                                             residual);
 }
 
 KVQ_NAMESPACE_END

@@ -6,12 +6,13 @@
 // by code built for another.
 #pragma once
 
-#include "detail/config.h"  // first, so kvq::detail below is the ISA namespace's detail
-
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+
+#include "detail/config.h"  // first, so kvq::detail below is the ISA namespace's detail
 
 namespace kvq {
 
@@ -76,6 +77,14 @@ template <class E>
 template <class E>
 inline void check(bool ok, std::string const& message) {
   if (!ok) raise<E>(message);
+}
+
+/// Raises `E` with the message `make_message()` unless `ok` holds: the message is only built on
+/// failure (for checks on every call of a hot path).
+template <class E, class F>
+requires std::is_invocable_r_v<std::string, F&>
+inline void check(bool ok, F&& make_message) {
+  if (!ok) raise<E>(make_message());
 }
 
 }  // namespace detail

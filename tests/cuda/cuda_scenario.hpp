@@ -308,10 +308,16 @@ void run_special_values(int d) {
   v[static_cast<std::size_t>(10 * kv * d + d + 2)] = -inf;
   v[static_cast<std::size_t>(20 * kv * d)] = 1e30f;
   k[static_cast<std::size_t>(40 * kv * d + 3)] = -3e38f;
+  k[static_cast<std::size_t>(41 * kv * d + 3)] = 3e38f;  // with the above: a KIVI group decoding to 65536
   c.append(0, k, v, 64);
   require_same_bytes(c, 0);
   require_same_reads(c, 0);
   require_same_attention(c, 0, 2 * kv, {}, 99);
+  // Truncating into that group puts tokens decoded beyond 65504 back into the f16 residual
+  // (saturated to ±65504 on every backend).
+  c.truncate(45);
+  require_same_bytes(c, 0);
+  require_same_reads(c, 0);
 }
 
 /// Several caches of one shape (different lengths, one empty) in one batched attention, each

@@ -12,18 +12,6 @@
 //     __APPLE__; kvq's headers do not). This file has no Catch2: its caller reports failures.
 //   * otherwise (on a Mac, in test_metal_device, with KVQ_WITH_METAL and the user's metal-cpp):
 //     against the system's default Metal device.
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <exception>
-#include <limits>
-#include <memory>
-#include <random>
-#include <string>
-#include <utility>
-#include <vector>
-
 #include <kvq/attention.hpp>
 #include <kvq/backend/metal/kvq_metal_args.h>
 #include <kvq/cache.hpp>
@@ -33,6 +21,19 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #if defined(KVQ_METAL_MOCK)
 #  include "metal_shim.hpp"
@@ -48,9 +49,10 @@
 #else
 #  define NS_PRIVATE_IMPLEMENTATION
 #  define MTL_PRIVATE_IMPLEMENTATION
+#  include <kvq/backend/metal/metal_cache.hpp>
+
 #  include <Foundation/Foundation.hpp>
 #  include <Metal/Metal.hpp>
-#  include <kvq/backend/metal/metal_cache.hpp>
 #endif
 
 #include "metal_cache_checks.hpp"
@@ -74,7 +76,8 @@ auto data(std::int64_t rows, int d, std::uint32_t seed) -> std::vector<float> {
   std::mt19937 rng(seed);
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::vector<float> v(static_cast<std::size_t>(rows) * static_cast<std::size_t>(d));
-  for (std::size_t i = 0; i < v.size(); ++i) v[i] = dist(rng) * ((i % static_cast<std::size_t>(d)) % 37 == 3 ? 9.0f : 1.0f);
+  for (std::size_t i = 0; i < v.size(); ++i)
+    v[i] = dist(rng) * ((i % static_cast<std::size_t>(d)) % 37 == 3 ? 9.0f : 1.0f);
   return v;
 }
 
@@ -90,7 +93,8 @@ auto rel_error(float const* want, float const* got, int heads, int d) -> double 
   for (int h = 0; h < heads; ++h) {
     double scale = 1.0;
     for (int c = 0; c < d; ++c)
-      if (std::isfinite(want[h * d + c])) scale = std::max(scale, 1.0 + std::fabs(static_cast<double>(want[h * d + c])));
+      if (std::isfinite(want[h * d + c]))
+        scale = std::max(scale, 1.0 + std::fabs(static_cast<double>(want[h * d + c])));
     for (int c = 0; c < d; ++c) {
       float const w = want[h * d + c], g = got[h * d + c];
       if (std::isnan(w) != std::isnan(g)) return std::numeric_limits<double>::infinity();
@@ -159,7 +163,8 @@ struct fixture {
         auto const kv = c.key_storage(l, h);
         same = same && std::memcmp(cpu + ko + kl.units_bytes, gpu + ko + kl.units_bytes,
                                    static_cast<std::size_t>(kv.residual_tokens) * s.head_dim * 2) == 0;
-        std::size_t const vo = static_cast<std::size_t>(s.kv_heads) * kl.bytes() + static_cast<std::size_t>(h) * vl.bytes();
+        std::size_t const vo =
+            static_cast<std::size_t>(s.kv_heads) * kl.bytes() + static_cast<std::size_t>(h) * vl.bytes();
         same = same && std::memcmp(cpu + vo, gpu + vo, vl.bytes()) == 0;
         r.expect(same, step + ": bytes differ (layer " + std::to_string(l) + ", head " + std::to_string(h) + ")");
       }
@@ -322,12 +327,15 @@ void check_choice(report& r, std::string const& name, int d, int residual) {
         }
         return "none";
       };
-      r.expect(raises([&] { g.append(0, kvq::token_major(big.data(), 200, kv, d), kvq::token_major(big.data(), 200, kv, d)); }) == "capacity",
+      r.expect(raises([&] {
+                 g.append(0, kvq::token_major(big.data(), 200, kv, d), kvq::token_major(big.data(), 200, kv, d));
+               }) == "capacity",
                "append past capacity must raise capacity_error");
       r.expect(g.size(0) == before, "a failed append changed the cache");
       std::vector<float> out(static_cast<std::size_t>(d));
       r.expect(raises([&] { g.read_keys(0, kv, 0, 1, out.data()); }) == "index", "a bad head must raise index_error");
-      r.expect(raises([&] { g.read_values(0, 0, before, 1, out.data()); }) == "index", "a bad range must raise index_error");
+      r.expect(raises([&] { g.read_values(0, 0, before, 1, out.data()); }) == "index",
+               "a bad range must raise index_error");
       r.expect(raises([&] { g.attention(0, big.data(), kv + 1, out.data()); }) == "shape",
                "q_heads not a multiple of kv_heads must raise shape_error");
       r.expect(raises([&] { g.truncate(-1); }) == "argument", "truncate(-1) must raise invalid_argument_error");
@@ -346,6 +354,30 @@ void check_choice(report& r, std::string const& name, int d, int residual) {
       r.expect(raises([&] { g.synchronize(); }) == "error", "a GPU fault must raise kvq::error at synchronize()");
       r.expect(raises([&] { g.append(0, t, t); }) == "error", "a cache after a GPU fault must refuse work");
 #endif
+    }
+    constexpr bool kivi_part = cpu_cache::key_codec::layout == kvq::codec_layout::token_group ||
+                               cpu_cache::value_codec::name == std::string_view("kivi_value");
+    if constexpr (kivi_part) {
+      // Finite values beyond the f16 range: the KIVI residual and window store them saturated to
+      // ±65504 (as the CPU cache does), also when a truncate puts a decoded key group back (a
+      // group of {-65504, 65504} decodes to 65536).
+      gpu_cache g(lib, queue, shape, go);
+      cpu_cache c(shape, co);
+      fixture<Choice> f{r, device, g, c};
+      int const kv = shape.kv_heads;
+      auto k = data(64 * kv, d, 91);
+      auto v = data(64 * kv, d, 92);
+      k[static_cast<std::size_t>(40 * kv * d)] = -3e38f;
+      k[static_cast<std::size_t>(41 * kv * d)] = 3e38f;
+      v[static_cast<std::size_t>(2 * kv * d + 1)] = 1e5f;
+      g.append(0, kvq::token_major(k.data(), 64, kv, d), kvq::token_major(v.data(), 64, kv, d));
+      c.append(0, kvq::token_major(k.data(), 64, kv, d), kvq::token_major(v.data(), 64, kv, d));
+      f.compare_bytes("values beyond the f16 range");
+      f.compare_reads("values beyond the f16 range");
+      g.truncate(45);
+      c.truncate(45);
+      f.compare_bytes("truncate into a group beyond the f16 range");
+      f.compare_reads("truncate into a group beyond the f16 range");
     }
     lib.reset();
   } catch (std::exception const& e) {

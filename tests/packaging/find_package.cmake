@@ -8,13 +8,13 @@ kvq_configure_install("${WORK_DIR}/kvq-build" "${prefix}" -DKVQ_BUILD_TESTS=OFF 
 
 kvq_check_prefix_entries("${prefix}" include share)
 kvq_check_installed_headers("${prefix}")
-kvq_check_files_exist("${prefix}" include/kvq/kvq.hpp share/kvq/kvqConfig.cmake share/kvq/kvqConfigVersion.cmake
+kvq_check_files_exist("${prefix}" include/kvq/kvq.hpp share/kvq/LICENSE share/kvq/kvqConfig.cmake share/kvq/kvqConfigVersion.cmake
                       share/kvq/kvqTargets.cmake)
 kvq_check_no_path("${prefix}/share" "${prefix}")
 
 string(REGEX MATCH "^[0-9]+\\.[0-9]+" major_minor "${KVQ_VERSION}")
 kvq_build_and_test(find_package "${PACKAGING_DIR}/find_package" "-DCMAKE_PREFIX_PATH=${prefix}"
-                   "-DKVQ_REQUESTED_VERSION=${major_minor}")
+                   "-DKVQ_REQUESTED_VERSION=${major_minor}" "-DKVQ_CONSUMER_CUDA_COMPILER=${CUDA_COMPILER}")
 
 # SameMinorVersion: a request for the next minor version must not be satisfied by this one.
 string(REGEX MATCHALL "[0-9]+" parts "${KVQ_VERSION}")

@@ -50,16 +50,18 @@ auto exact_attention(synthetic_shape const& s, synthetic_layer const& L) -> std:
   for (int qi = 0; qi < s.queries_per_layer; ++qi) {
     for (int qh = 0; qh < s.q_heads; ++qh) {
       int const kh = qh / group;
-      std::size_t const qo = (static_cast<std::size_t>(qi) * static_cast<std::size_t>(s.q_heads) +
-                              static_cast<std::size_t>(qh)) *
-                             static_cast<std::size_t>(d);
+      std::size_t const qo =
+          (static_cast<std::size_t>(qi) * static_cast<std::size_t>(s.q_heads) + static_cast<std::size_t>(qh)) *
+          static_cast<std::size_t>(d);
       double m = -1e300;
       for (std::int64_t t = 0; t < s.context; ++t) {
         std::size_t const ko =
             (static_cast<std::size_t>(t) * static_cast<std::size_t>(s.kv_heads) + static_cast<std::size_t>(kh)) *
             static_cast<std::size_t>(d);
         double dot = 0;
-        for (int c = 0; c < d; ++c) dot += static_cast<double>(L.queries[qo + static_cast<std::size_t>(c)]) * L.keys[ko + static_cast<std::size_t>(c)];
+        for (int c = 0; c < d; ++c)
+          dot += static_cast<double>(L.queries[qo + static_cast<std::size_t>(c)]) *
+                 L.keys[ko + static_cast<std::size_t>(c)];
         w[static_cast<std::size_t>(t)] = dot * scale;
         m = std::max(m, dot * scale);
       }
@@ -70,7 +72,8 @@ auto exact_attention(synthetic_shape const& s, synthetic_layer const& L) -> std:
             (static_cast<std::size_t>(t) * static_cast<std::size_t>(s.kv_heads) + static_cast<std::size_t>(kh)) *
             static_cast<std::size_t>(d);
         double const p = w[static_cast<std::size_t>(t)] / z;
-        for (int c = 0; c < d; ++c) out[qo + static_cast<std::size_t>(c)] += p * L.values[vo + static_cast<std::size_t>(c)];
+        for (int c = 0; c < d; ++c)
+          out[qo + static_cast<std::size_t>(c)] += p * L.values[vo + static_cast<std::size_t>(c)];
       }
     }
   }
@@ -119,6 +122,11 @@ auto evaluate(synthetic_shape const& s, std::vector<synthetic_layer> const& laye
                     kvq::token_major(L.values.data(), s.context, s.kv_heads, d));
     }
     r.encode_gbps = f32_bytes / seconds_since(t0) / 1e9;
+    // Blocks whose stored scale is NaN or Inf (e.g. q8_0/q4_0 fp16 scale overflow) decode to NaN/Inf.
+    r.nonfinite_blocks = cache->nonfinite_blocks().total();
+    if (r.nonfinite_blocks > 0)
+      std::fprintf(stderr, "kvq-eval: warning: %s stores %lld blocks with a non-finite scale (decoding to NaN/Inf)\n",
+                   c.label.c_str(), static_cast<long long>(r.nonfinite_blocks));
 
     // Decode: read everything back to f32, then measure reconstruction.
     std::vector<float> kb(static_cast<std::size_t>(s.context) * static_cast<std::size_t>(d)), vb(kb.size());
@@ -131,11 +139,12 @@ auto evaluate(synthetic_shape const& s, std::vector<synthetic_layer> const& laye
         cache->read_values(l, h, 0, s.context, vb.data());
         decode_time += seconds_since(t0);
         for (std::int64_t t = 0; t < s.context; ++t) {
-          std::size_t const o = (static_cast<std::size_t>(t) * static_cast<std::size_t>(s.kv_heads) +
-                                 static_cast<std::size_t>(h)) *
-                                static_cast<std::size_t>(d);
+          std::size_t const o =
+              (static_cast<std::size_t>(t) * static_cast<std::size_t>(s.kv_heads) + static_cast<std::size_t>(h)) *
+              static_cast<std::size_t>(d);
           for (int ch = 0; ch < d; ++ch) {
-            std::size_t const i = static_cast<std::size_t>(t) * static_cast<std::size_t>(d) + static_cast<std::size_t>(ch);
+            std::size_t const i =
+                static_cast<std::size_t>(t) * static_cast<std::size_t>(d) + static_cast<std::size_t>(ch);
             double const k = L.keys[o + static_cast<std::size_t>(ch)], v = L.values[o + static_cast<std::size_t>(ch)];
             k_sig += k * k;
             v_sig += v * v;
@@ -183,8 +192,7 @@ auto evaluate(synthetic_shape const& s, std::vector<synthetic_layer> const& laye
 }
 
 /// Evaluates every configuration on the synthetic workload.
-auto run_synthetic(synthetic_shape const& s, std::vector<config> const& configs, bool progress)
-    -> std::vector<result> {
+auto run_synthetic(synthetic_shape const& s, std::vector<config> const& configs, bool progress) -> std::vector<result> {
   if (progress)
     std::fprintf(stderr,
                  "kvq-eval: generating the synthetic workload (%d layers, %d kv heads, %d q heads, head_dim %d, "
@@ -213,7 +221,8 @@ auto run_model(std::string const& model_path, std::string const& tokenizer_path,
   context = s.context;
   auto rows = evaluate(s, ref.kv_layers, configs, progress);
   for (std::size_t i = 0; i < rows.size(); ++i) {
-    if (progress) std::fprintf(stderr, "kvq-eval: [%zu/%zu] %s: perplexity\n", i + 1, rows.size(), rows[i].label.c_str());
+    if (progress)
+      std::fprintf(stderr, "kvq-eval: [%zu/%zu] %s: perplexity\n", i + 1, rows.size(), rows[i].label.c_str());
     auto const q = score_config(in, ref, configs[i]);
     rows[i].ppl = q.ppl;
     rows[i].ppl_ref = ref.ppl;
@@ -279,20 +288,31 @@ int run(int argc, char** argv) {
       if (i + 1 >= argc) throw usage_error(a + " expects a value");
       return argv[++i];
     };
-    if (a == "--model") model = value();
-    else if (a == "--tokenizer") tokenizer = value();
-    else if (a == "--text") text = value();
-    else if (a == "--json") json = value();
-    else if (a == "--svg") svg = value();
-    else if (a == "--configs") only = value();
-    else if (a == "--context") shape.context = parse_int(a, value(), 64, 1 << 20);
-    else if (a == "--layers") shape.layers = static_cast<int>(parse_int(a, value(), 1, 64));
-    else if (a == "--list") list = true;
-    else if (a == "--quiet") progress = false;
+    if (a == "--model")
+      model = value();
+    else if (a == "--tokenizer")
+      tokenizer = value();
+    else if (a == "--text")
+      text = value();
+    else if (a == "--json")
+      json = value();
+    else if (a == "--svg")
+      svg = value();
+    else if (a == "--configs")
+      only = value();
+    else if (a == "--context")
+      shape.context = parse_int(a, value(), 64, 1 << 20);
+    else if (a == "--layers")
+      shape.layers = static_cast<int>(parse_int(a, value(), 1, 64));
+    else if (a == "--list")
+      list = true;
+    else if (a == "--quiet")
+      progress = false;
     else if (a == "--help" || a == "-h") {
       usage(stdout);
       return 0;
-    } else throw usage_error("unknown argument '" + a + "' (see --help)");
+    } else
+      throw usage_error("unknown argument '" + a + "' (see --help)");
   }
   auto configs = default_configs();
   if (list) {
@@ -307,8 +327,7 @@ int run(int argc, char** argv) {
     }
   }
   bool const with_model = model || tokenizer || text;
-  if (with_model && !(model && tokenizer && text))
-    throw usage_error("--model, --tokenizer and --text go together");
+  if (with_model && !(model && tokenizer && text)) throw usage_error("--model, --tokenizer and --text go together");
 
   auto json_out = open_output(json);
   auto svg_out = open_output(svg);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
@@ -31,6 +32,7 @@ struct result {
   double encode_gbps = 0;
   double decode_gbps = 0;
   double attn_speedup_vs_f16 = 0;
+  std::int64_t nonfinite_blocks = 0;  // stored blocks with a NaN/Inf scale after encoding the workload
   // Model workload only.
   std::optional<double> ppl, ppl_ref, kld, top1_agreement;
 };
@@ -53,7 +55,8 @@ inline auto sci(double v) -> std::string {
 
 /// Prints the results as an aligned table.
 inline void print_table(std::vector<result> const& rows, bool model, std::FILE* out) {
-  std::vector<std::string> head = {"config", "K", "V", "bits/el", "mem/f16", "K SNR dB", "V SNR dB", "attn rel err",
+  std::vector<std::string> head = {"config",   "K",        "V",        "bits/el",
+                                   "mem/f16",  "K SNR dB", "V SNR dB", "attn rel err",
                                    "attn cos", "enc GB/s", "dec GB/s", "attn x f16"};
   if (model) {
     for (char const* h : {"PPL", "dPPL %", "KL nats", "top-1"}) head.emplace_back(h);
@@ -123,6 +126,7 @@ inline auto to_json(std::vector<result> const& rows, bool model, std::int64_t co
     j["encode_gbps"] = r.encode_gbps;
     j["decode_gbps"] = r.decode_gbps;
     j["attn_speedup_vs_f16"] = r.attn_speedup_vs_f16;
+    j["nonfinite_blocks"] = r.nonfinite_blocks;
     if (model) {
       j["ppl"] = r.ppl.value_or(0);
       j["ppl_ref"] = r.ppl_ref.value_or(0);
@@ -138,10 +142,14 @@ inline auto to_json(std::vector<result> const& rows, bool model, std::int64_t co
 inline auto xml_escape(std::string const& s) -> std::string {
   std::string o;
   for (char c : s) {
-    if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else if (c == '&') o += "&amp;";
-    else o += c;
+    if (c == '<')
+      o += "&lt;";
+    else if (c == '>')
+      o += "&gt;";
+    else if (c == '&')
+      o += "&amp;";
+    else
+      o += c;
   }
   return o;
 }
@@ -151,9 +159,7 @@ inline auto xml_escape(std::string const& s) -> std::string {
 inline auto to_svg(std::vector<result> const& rows, bool model) -> std::string {
   double const width = 900, height = 560, left = 80, right = 30, top = 50, bottom = 60;
   double xmin = 1e9, xmax = -1e9, ymin = 1e300, ymax = -1e300;
-  auto yval = [&](result const& r) {
-    return model ? r.ppl.value_or(0) : std::log10(std::max(r.attn_rel_error, 1e-9));
-  };
+  auto yval = [&](result const& r) { return model ? r.ppl.value_or(0) : std::log10(std::max(r.attn_rel_error, 1e-9)); };
   for (auto const& r : rows) {
     xmin = std::min(xmin, r.bits_per_element);
     xmax = std::max(xmax, r.bits_per_element);
@@ -181,8 +187,7 @@ inline auto to_svg(std::vector<result> const& rows, bool model) -> std::string {
   for (double x = std::ceil(xmin); x <= xmax; x += (xmax - xmin > 20 ? 4 : 2)) {
     s << "<line x1=\"" << px(x) << "\" y1=\"" << top << "\" x2=\"" << px(x) << "\" y2=\"" << height - bottom
       << "\" stroke=\"#ddd\"/>\n";
-    s << "<text x=\"" << px(x) << "\" y=\"" << height - bottom + 16 << "\" text-anchor=\"middle\">" << x
-      << "</text>\n";
+    s << "<text x=\"" << px(x) << "\" y=\"" << height - bottom + 16 << "\" text-anchor=\"middle\">" << x << "</text>\n";
   }
   int const yticks = 6;
   for (int i = 0; i <= yticks; ++i) {
@@ -195,8 +200,8 @@ inline auto to_svg(std::vector<result> const& rows, bool model) -> std::string {
   s << "<text x=\"" << (left + width - right) / 2 << "\" y=\"" << height - 18
     << "\" text-anchor=\"middle\">bits per element (scales, residual and padding included)</text>\n";
   s << "<text x=\"18\" y=\"" << (top + height - bottom) / 2 << "\" text-anchor=\"middle\" transform=\"rotate(-90 18 "
-    << (top + height - bottom) / 2 << ")\">"
-    << (model ? "perplexity" : "attention output relative error (log scale)") << "</text>\n";
+    << (top + height - bottom) / 2 << ")\">" << (model ? "perplexity" : "attention output relative error (log scale)")
+    << "</text>\n";
   for (std::size_t i = 0; i < rows.size(); ++i) {
     auto const& r = rows[i];
     double const x = px(r.bits_per_element), y = py(yval(r));

@@ -135,7 +135,8 @@ struct kivi_key {
 
   /// Code (0 .. 2^Bits - 1) of channel c at token t (0 .. G-1) of a tile.
   static auto code(std::uint8_t const* tile, int head_dim, int c, int t) noexcept -> int {
-    return detail::kivi_unpack(tile[codes_offset(head_dim, c) + detail::kivi_code_byte(t, Bits)], t, Bits);
+    return detail::kivi_unpack(
+        tile[codes_offset(head_dim, c) + static_cast<std::size_t>(detail::kivi_code_byte(t, Bits))], t, Bits);
   }
 
   /// Decodes token t (0 .. G-1) of a tile into y: (head_dim).

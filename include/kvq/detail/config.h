@@ -16,33 +16,73 @@
 #  endif
 #endif
 
-// Results may not depend on value-changing optimisations: refuse them outright.
+// kvq's public headers are C++20 (concepts, defaulted comparisons): say so before anything else fails.
+#if defined(__cplusplus) && !defined(__METAL_VERSION__) && !defined(__CUDACC_RTC__)
+#  if defined(_MSVC_LANG) && !defined(__clang__)
+#    define KVQ_CPLUSPLUS _MSVC_LANG
+#  else
+#    define KVQ_CPLUSPLUS __cplusplus
+#  endif
+#  if KVQ_CPLUSPLUS < 202002L
+#    error "kvq requires C++20: compile with -std=c++20 (or /std:c++20); CUDA sources need nvcc -std=c++20"
+#  endif
+#endif
+
+// Results may not depend on value-changing optimisations. GCC and clang announce the ones that
+// change values through macros, and those are refused outright: -ffast-math (__FAST_MATH__),
+// -ffinite-math-only / -fno-honor-nans+infinities (__FINITE_MATH_ONLY__), -fassociative-math
+// (__ASSOCIATIVE_MATH__), -freciprocal-math (__RECIPROCAL_MATH__) and -fno-signed-zeros
+// (__NO_SIGNED_ZEROS__); the last four are what -funsafe-math-optimizations turns on. Clang 14
+// announces only the first two, so under clang kvq's own code is also compiled with precise
+// floating point (#pragma float_control below), which undoes the others for kvq's code.
 #if defined(__FAST_MATH__)
 #  error "kvq: -ffast-math (__FAST_MATH__) changes kvq's numerics; compile kvq users without it"
+#endif
+#if defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__
+#  error \
+      "kvq: -ffinite-math-only (__FINITE_MATH_ONLY__) drops kvq's NaN and Inf semantics; compile kvq users without it"
+#endif
+#if defined(__ASSOCIATIVE_MATH__)
+#  error \
+      "kvq: -fassociative-math (__ASSOCIATIVE_MATH__, part of -funsafe-math-optimizations) changes kvq's numerics; compile kvq users without it"
+#endif
+#if defined(__RECIPROCAL_MATH__)
+#  error \
+      "kvq: -freciprocal-math (__RECIPROCAL_MATH__, part of -funsafe-math-optimizations) changes kvq's numerics; compile kvq users without it"
+#endif
+#if defined(__NO_SIGNED_ZEROS__)
+#  error \
+      "kvq: -fno-signed-zeros (__NO_SIGNED_ZEROS__, part of -funsafe-math-optimizations) changes kvq's stored bytes; compile kvq users without it"
 #endif
 #if defined(__FLT_EVAL_METHOD__) && (__FLT_EVAL_METHOD__ != 0) && !defined(__METAL_VERSION__)
 #  error "kvq: float expressions must be evaluated in float (FLT_EVAL_METHOD 0); x87 excess precision is not supported"
 #endif
 
 // The instruction set the including translation unit is compiled for. Everything kvq defines lives
-// in an inline namespace named after it (kvq::isa_avx512::..., reached as kvq::...), so translation
-// units built with different -m flags never share an inline function: no ODR clash, and no
-// AVX-512 code reached from a TU that was built for AVX2.
+// in an inline namespace named after it (kvq::isa_avx512_vnni_..., reached as kvq::...), so
+// translation units built with different -m flags never share an inline function: no ODR clash,
+// and no AVX-512 code reached from a TU that was built for AVX2. The level picks the kernels; the
+// tag (detail/isa_tag.h) adds every other instruction-set extension the compiler was allowed.
 #if defined(__METAL_VERSION__) || defined(__CUDA_ARCH__)
 #  define KVQ_ISA_NAME device
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
-    defined(__AVX512BF16__)
-#  define KVQ_ISA_NAME avx512_vnni_bf16
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#  define KVQ_ISA_NAME avx512_vnni
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#  define KVQ_ISA_NAME avx512
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#  define KVQ_ISA_NAME avx2
-#elif defined(__aarch64__) && defined(__ARM_NEON)
-#  define KVQ_ISA_NAME neon
 #else
-#  define KVQ_ISA_NAME scalar
+// ---- kvq-embed: host-only begin ----
+#  if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+      defined(__AVX512BF16__)
+#    define KVQ_ISA_LEVEL_NAME avx512_vnni_bf16
+#  elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#    define KVQ_ISA_LEVEL_NAME avx512_vnni
+#  elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#    define KVQ_ISA_LEVEL_NAME avx512
+#  elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#    define KVQ_ISA_LEVEL_NAME avx2
+#  elif defined(__aarch64__) && defined(__ARM_NEON)
+#    define KVQ_ISA_LEVEL_NAME neon
+#  else
+#    define KVQ_ISA_LEVEL_NAME scalar
+#  endif
+#  include "isa_tag.h"
+// ---- kvq-embed: host-only end ----
 #endif
 #define KVQ_PP_CAT_(a, b) a##b
 #define KVQ_PP_CAT(a, b) KVQ_PP_CAT_(a, b)
@@ -50,12 +90,24 @@
 #  define KVQ_NAMESPACE_BEGIN namespace kvq {
 #  define KVQ_NAMESPACE_END }
 #else
+#  if defined(__clang__)
+// Under clang, kvq's own code is compiled with precise floating point whatever the consumer's
+// flags (-funsafe-math-optimizations, -fno-honor-nans, -freciprocal-math, ... are not announced
+// by clang 14), and without FMA contraction, so its results equal those of any other build.
+#    define KVQ_FP_PRECISE_BEGIN _Pragma("float_control(precise, on, push)") _Pragma("clang fp contract(off)")
+#    define KVQ_FP_PRECISE_END _Pragma("float_control(pop)")
+#  else
+#    define KVQ_FP_PRECISE_BEGIN
+#    define KVQ_FP_PRECISE_END
+#  endif
 #  define KVQ_NAMESPACE_BEGIN \
+    KVQ_FP_PRECISE_BEGIN      \
     namespace kvq {           \
     inline namespace KVQ_PP_CAT(isa_, KVQ_ISA_NAME) {
 #  define KVQ_NAMESPACE_END \
     }                       \
-    }
+    }                       \
+    KVQ_FP_PRECISE_END
 #endif
 
 #if defined(__CUDACC__)
@@ -154,6 +206,21 @@ KVQ_HOST_DEVICE float add_rn(float a, float b) {
 #endif
 }
 
+/// Returns a * b + c: fused (one rounding) where the target has a fused multiply-add, else the
+/// product rounded and then the sum; never left to the compiler's contraction flags, so a build
+/// gives the same result with -ffp-contract=off and =fast.
+KVQ_HOST_DEVICE float madd_f32(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#elif defined(__METAL_VERSION__)
+  return fma(a, b, c);
+#elif defined(__GNUC__) && (defined(__FP_FAST_FMAF) || defined(__FMA__) || defined(__ARM_FEATURE_FMA))
+  return __builtin_fmaf(a, b, c);
+#else
+  return fp_barrier(a * b) + c;
+#endif
+}
+
 /// Returns fl32(a / b), correctly rounded.
 KVQ_HOST_DEVICE float div_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -178,16 +245,16 @@ KVQ_HOST_DEVICE float abs_f32(float x) { return f32_from_bits(f32_bits(x) & 0x7f
 KVQ_HOST_DEVICE float round_half_even(float x) {
   const u32 u = f32_bits(x);
   const u32 a = u & 0x7fffffffu;
-  if (a >= 0x4b000000u) return x;  // |x| >= 2^23: already an integer
+  if (a >= 0x4b000000u) return x;                              // |x| >= 2^23: already an integer
   if (a < 0x3f000000u) return f32_from_bits(u & 0x80000000u);  // |x| < 0.5: signed zero
-  const int e = (int)(a >> 23) - 127;                           // -1 .. 22
-  const u32 m = (a & 0x007fffffu) | 0x00800000u;                // 24-bit significand
-  const int shift = 23 - e;                                     // 1 .. 24 fractional bits
+  const int e = static_cast<int>(a >> 23) - 127;               // -1 .. 22
+  const u32 m = (a & 0x007fffffu) | 0x00800000u;               // 24-bit significand
+  const int shift = 23 - e;                                    // 1 .. 24 fractional bits
   u32 q = m >> shift;
   const u32 rem = m & ((1u << shift) - 1u);
   const u32 half = 1u << (shift - 1);
   if (rem > half || (rem == half && (q & 1u))) ++q;
-  const float r = (float)(int)q;
+  const float r = static_cast<float>(static_cast<int>(q));
   return (u & 0x80000000u) ? -r : r;
 }
 
@@ -199,13 +266,13 @@ KVQ_HOST_DEVICE float round_half_away(float x) {
   const u32 a = u & 0x7fffffffu;
   if (a >= 0x4b000000u) return x;
   if (a < 0x3f000000u) return f32_from_bits(u & 0x80000000u);
-  const int e = (int)(a >> 23) - 127;
+  const int e = static_cast<int>(a >> 23) - 127;
   const u32 m = (a & 0x007fffffu) | 0x00800000u;
   const int shift = 23 - e;
   u32 q = m >> shift;
   const u32 rem = m & ((1u << shift) - 1u);
   if (rem >= (1u << (shift - 1))) ++q;
-  const float r = (float)(int)q;
+  const float r = static_cast<float>(static_cast<int>(q));
   return (u & 0x80000000u) ? -r : r;
 }
 

@@ -56,7 +56,7 @@ KVQ_HOST_DEVICE u8 fp8_from_f32_bits(u32 u, u32 mbits, u32 bias, u32 max_mag, u3
     }
   }
   if (mag > max_mag) mag = saturate ? max_mag : overflow_mag;
-  return (u8)(sign | mag);
+  return static_cast<u8>(sign | mag);
 }
 
 /// Converts a float to E4M3FN, RNE; overflow and ±Inf give ±448 (saturate) or 0x7f|sign; NaN gives 0x7f.
@@ -78,7 +78,7 @@ KVQ_HOST_DEVICE u32 fp8_subnormal_f32_bits(u32 m, u32 mbits, u32 bias) {
 
 /// Returns the exact value of an E4M3FN code (0x7f and 0xff are NaN).
 KVQ_HOST_DEVICE float e4m3_to_f32(u8 code) {
-  const u32 c = (u32)code;
+  const u32 c = static_cast<u32>(code);
   const u32 sign = (c & 0x80u) << 24;
   const u32 e = (c >> 3) & 0x0fu;
   const u32 m = c & 0x07u;
@@ -90,7 +90,7 @@ KVQ_HOST_DEVICE float e4m3_to_f32(u8 code) {
 
 /// Returns the exact value of an E5M2 code (0x7c is +Inf, 0xfc is -Inf, 0x7d..0x7f and 0xfd..0xff are NaN).
 KVQ_HOST_DEVICE float e5m2_to_f32(u8 code) {
-  const u32 c = (u32)code;
+  const u32 c = static_cast<u32>(code);
   const u32 sign = (c & 0x80u) << 24;
   const u32 e = (c >> 2) & 0x1fu;
   const u32 m = c & 0x03u;

@@ -27,7 +27,7 @@ KVQ_HOST_DEVICE float ggml_inverse_scale(float d) {
 KVQ_HOST_DEVICE float q8_0_scale(float amax) { return div_rn(amax, 127.0f); }
 
 /// q8_0 code of x: roundf(x * id), ties away from zero.
-KVQ_HOST_DEVICE int q8_0_code(float x, float id) { return (int)round_half_away(mul_rn(x, id)); }
+KVQ_HOST_DEVICE int q8_0_code(float x, float id) { return static_cast<int>(round_half_away(mul_rn(x, id))); }
 
 /// q4_0 scale from the signed element of largest magnitude: d = max / -8.
 KVQ_HOST_DEVICE float q4_0_scale(float signed_max) { return div_rn(signed_max, -8.0f); }
@@ -35,15 +35,15 @@ KVQ_HOST_DEVICE float q4_0_scale(float signed_max) { return div_rn(signed_max, -
 /// q4_0 code of x: min(15, trunc(fl32(x * id) + 8.5)), so code-domain ties round up.
 KVQ_HOST_DEVICE int q4_0_code(float x, float id) {
   const float t = add_rn(mul_rn(x, id), 8.5f);
-  const int c = (int)t;  // t >= 0.5 for every finite x of the block: truncation is floor
+  const int c = static_cast<int>(t);  // t >= 0.5 for every finite x of the block: truncation is floor
   return c < 15 ? c : 15;
 }
 
 /// Decoded value of a q8_0 code: code * d.
-KVQ_HOST_DEVICE float q8_0_value(int code, float d) { return (float)code * d; }
+KVQ_HOST_DEVICE float q8_0_value(int code, float d) { return static_cast<float>(code) * d; }
 
 /// Decoded value of a q4_0 nibble: (nibble - 8) * d.
-KVQ_HOST_DEVICE float q4_0_value(int nibble, float d) { return (float)(nibble - 8) * d; }
+KVQ_HOST_DEVICE float q4_0_value(int nibble, float d) { return static_cast<float>(nibble - 8) * d; }
 
 }  // namespace detail
 KVQ_NAMESPACE_END

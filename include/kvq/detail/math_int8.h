@@ -23,11 +23,11 @@ KVQ_HOST_DEVICE float int8_scale(float amax) { return div_rn(amax, 127.0f); }
 KVQ_HOST_DEVICE int int8_code(float x, float scale) {
   float q = div_rn(x, scale);
   q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-  return (int)round_half_even(q);
+  return static_cast<int>(round_half_even(q));
 }
 
 /// Decoded value of an int8 code: q * scale.
-KVQ_HOST_DEVICE float int8_value(int q, float scale) { return (float)q * scale; }
+KVQ_HOST_DEVICE float int8_value(int q, float scale) { return static_cast<float>(q) * scale; }
 
 }  // namespace detail
 KVQ_NAMESPACE_END

@@ -77,7 +77,7 @@ KVQ_HOST_DEVICE kivi_header kivi_make_header(kivi_range r, int bits) {
   }
   const float mn = kivi_plus_zero(r.mn);
   const float mx = kivi_plus_zero(r.mx);
-  const float scale = div_rn(mx - mn, (float)kivi_max_code(bits));
+  const float scale = div_rn(mx - mn, static_cast<float>(kivi_max_code(bits)));
   h.scale = f32_to_f16_bits_sat(scale);
   h.min = f32_to_f16_bits_sat(mn);
   return h;
@@ -90,14 +90,14 @@ KVQ_HOST_DEVICE bool kivi_is_poisoned(kivi_header h) { return is_nan_f32(f16_bit
 /// clamp(round_half_even(div_rn(x - m, s)), 0, 2^b - 1), or 0 when s == 0.
 KVQ_HOST_DEVICE int kivi_code(float x, float s, float m, int bits) {
   if (!(s > 0.0f)) return 0;  // s == 0, or a poisoned (NaN) scale
-  const float top = (float)kivi_max_code(bits);
+  const float top = static_cast<float>(kivi_max_code(bits));
   float t = div_rn(x - m, s);
   t = t > top ? top : (t < 0.0f ? 0.0f : t);
-  return (int)round_half_even(t);
+  return static_cast<int>(round_half_even(t));
 }
 
 /// Decoded value of a code: add_rn(mul_rn(q, s), m).
-KVQ_HOST_DEVICE float kivi_value(int q, float s, float m) { return add_rn(mul_rn((float)q, s), m); }
+KVQ_HOST_DEVICE float kivi_value(int q, float s, float m) { return add_rn(mul_rn(static_cast<float>(q), s), m); }
 
 /// Index of the byte holding element i of a packed b-bit run.
 KVQ_HOST_DEVICE int kivi_code_byte(int i, int bits) { return (i * bits) >> 3; }
@@ -107,12 +107,12 @@ KVQ_HOST_DEVICE int kivi_code_shift(int i, int bits) { return (i * bits) & 7; }
 
 /// Extracts element i of a packed b-bit run from the byte that holds it.
 KVQ_HOST_DEVICE int kivi_unpack(u8 byte, int i, int bits) {
-  return ((int)byte >> kivi_code_shift(i, bits)) & kivi_max_code(bits);
+  return (static_cast<int>(byte) >> kivi_code_shift(i, bits)) & kivi_max_code(bits);
 }
 
 /// Returns `byte` with element i's code (0 .. 2^b - 1) OR-ed into its bits.
 KVQ_HOST_DEVICE u8 kivi_pack(u8 byte, int code, int i, int bits) {
-  return (u8)((int)byte | (code << kivi_code_shift(i, bits)));
+  return static_cast<u8>(static_cast<int>(byte) | (code << kivi_code_shift(i, bits)));
 }
 
 }  // namespace detail

@@ -35,6 +35,7 @@
 #include "../../codec/q4_0.hpp"
 #include "../../codec/q8_0.hpp"
 #include "../../detail/block_layouts.h"
+#include "../../detail/host_vector.hpp"
 #include "simd_codecs.hpp"
 
 KVQ_NAMESPACE_BEGIN
@@ -73,14 +74,14 @@ inline constexpr int attention_kernel_tile = 32;
 
 /// Working memory of the attention kernel, reused across calls of one attention.
 struct attention_scratch {
-  std::vector<float> keys;            // (tile, head_dim)
-  std::vector<float> values;          // (tile, head_dim)
-  std::vector<float> logits;          // (group, tile)
-  std::vector<float> scaled;          // (4, head_dim): query scaled per KIVI channel
-  std::vector<float> probs;           // (group, tile)
-  std::vector<float> saved;           // (group, head_dim)
-  std::vector<float> special_values;  // (tile, head_dim)
-  std::vector<char> special;          // (group)
+  detail::vector<float> keys;            // (tile, head_dim)
+  detail::vector<float> values;          // (tile, head_dim)
+  detail::vector<float> logits;          // (group, tile)
+  detail::vector<float> scaled;          // (4, head_dim): query scaled per KIVI channel
+  detail::vector<float> probs;           // (group, tile)
+  detail::vector<float> saved;           // (group, head_dim)
+  detail::vector<float> special_values;  // (tile, head_dim)
+  detail::vector<char> special;          // (group)
   void reserve(int head_dim, int group) {
     special_values.resize(static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim));
     std::size_t const td = static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim);
@@ -366,13 +367,13 @@ struct simd_attention {
   template <int NH, int NT, class L>
   static void dot_tile(float const* q, int d, int h0, L const& k, int t0, int nt, float* logits) noexcept {
     static_assert(NH * NT == W, "dot_tile: NH * NT must be the lane count");
-    vf acc[W];
+    vf acc[std::size_t{W}];
     for (int i = 0; i < W; ++i) acc[i] = V::set1(0.0f);
     float const* qh = q + static_cast<std::ptrdiff_t>(h0) * d;
-    int tj[NT];
+    int tj[std::size_t{NT}];
     for (int j = 0; j < NT; ++j) tj[j] = t0 + (j < nt ? j : 0);
     auto const step = [&](int c, auto const* pr) {
-      vf kv[NT];
+      vf kv[std::size_t{NT}];
       for (int j = 0; j < NT; ++j) kv[j] = k.load(tj[j], c, pr[j]);
       for (int i = 0; i < NH; ++i) {
         vf const qv = V::load(qh + static_cast<std::ptrdiff_t>(i) * d + c);
@@ -399,17 +400,17 @@ struct simd_attention {
       c = full;
     } else {
       for (; c + 32 <= d; c += 32) {  // whole 32-channel blocks: the scales prepared once
-        prep pr[NT];
+        prep pr[std::size_t{NT}];
         for (int j = 0; j < NT; ++j) pr[j] = k.prepare(tj[j], c);
         for (int w = 0; w < 32; w += W) step(c + w, pr);
       }
       for (; c + W <= d; c += W) {
-        prep pr[NT];
+        prep pr[std::size_t{NT}];
         for (int j = 0; j < NT; ++j) pr[j] = k.prepare(tj[j], c);
         step(c, pr);
       }
     }
-    alignas(64) float sums[W];
+    alignas(64) float sums[std::size_t{W}];
     V::store(sums, V::reduce_lanes(acc));
     for (int i = 0; i < NH; ++i)
       for (int j = 0; j < nt; ++j) {
@@ -567,7 +568,7 @@ struct simd_attention {
             for (int i = 0; i < nh; ++i) acc[i] = V::fma(x, V::set1(scaled[i * d + c]), acc[i]);
           }
         }
-        alignas(64) float lane[W];
+        alignas(64) float lane[std::size_t{W}];
         for (int i = 0; i < nh; ++i) {
           V::store(lane, acc[i]);
           for (int l = 0; l < W; ++l) {
@@ -656,12 +657,12 @@ struct simd_attention {
   /// o_(h0+i)[c0 + j W ...] += sum_t p_(h0+i)[t] * v_t for i < NH heads, NC chunks of W channels.
   template <int NH, int NC, class L>
   static void accumulate_tile(float* const* o, float const* const* p, L const& v, int n, int c0) noexcept {
-    vf acc[NH][NC];
+    vf acc[std::size_t{NH}][std::size_t{NC}];
     for (int i = 0; i < NH; ++i)
       for (int j = 0; j < NC; ++j) acc[i][j] = V::load(o[i] + c0 + j * W);
     using prep = decltype(v.prepare(0, 0));
     for (int t = 0; t < n; ++t) {
-      vf pv[NH];
+      vf pv[std::size_t{NH}];
       for (int i = 0; i < NH; ++i) pv[i] = V::set1(p[i][t]);
       prep pr = v.prepare(t, c0);
       for (int j = 0; j < NC; ++j) {
@@ -757,7 +758,7 @@ struct simd_attention {
       float const pv = f16_probabilities ? detail::f16_bits_to_f32(detail::f32_to_f16_bits(p)) : p;
       sum += p;
       float const* vt = v + static_cast<std::ptrdiff_t>(t) * d;
-      for (int c = 0; c < d; ++c) o[c] += pv * vt[c];
+      for (int c = 0; c < d; ++c) o[c] = detail::madd_f32(pv, vt[c], o[c]);
     }
   }
 
@@ -851,7 +852,8 @@ struct simd_attention {
     int const group = call.group;
     tile_rows tr;
     if (s.probs.size() < static_cast<std::size_t>(group) * T) s.probs.resize(static_cast<std::size_t>(group) * T);
-    if (s.saved.size() < static_cast<std::size_t>(group) * d) s.saved.resize(static_cast<std::size_t>(group) * d);
+    if (s.saved.size() < static_cast<std::size_t>(group) * static_cast<std::size_t>(d))
+      s.saved.resize(static_cast<std::size_t>(group) * static_cast<std::size_t>(d));
     if (s.special.size() < static_cast<std::size_t>(group)) s.special.resize(static_cast<std::size_t>(group));
     for (std::int64_t t0 = begin; t0 < end; t0 += T) {
       std::int64_t const tb = t0;

@@ -10,7 +10,11 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
+// The intrinsics of clang's headers are plain vector operators: parsed here with precise floating point,
+// they keep kvq's results whatever -funsafe-math-optimizations a consumer passes (config.h).
+KVQ_FP_PRECISE_BEGIN
 #  include <immintrin.h>
+KVQ_FP_PRECISE_END
 
 #  include <cstddef>
 #  include <cstdint>

@@ -12,7 +12,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && \
     defined(__F16C__)
 
+// The intrinsics of clang's headers are plain vector operators: parsed here with precise floating point,
+// they keep kvq's results whatever -funsafe-math-optimizations a consumer passes (config.h).
+KVQ_FP_PRECISE_BEGIN
 #  include <immintrin.h>
+KVQ_FP_PRECISE_END
 
 #  include <cstddef>
 #  include <cstdint>
@@ -37,6 +41,18 @@ inline constexpr std::string_view name = "avx512";
 #    pragma GCC diagnostic push
 #    pragma GCC diagnostic ignored "-Wuninitialized"
 #    pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#  endif
+// Without optimisation (no __OPTIMIZE__), GCC's <avx512fintrin.h> defines the intrinsics that take
+// an immediate (_mm512_cvtps_ph, _mm512_i32gather_epi32) as macros passing their all-ones mask with
+// the other signedness (-1 to an __mmask16, (__mmask16)0xFFFF to a short), which -Wsign-conversion
+// reports where they are used (as in https://github.com/google/highway/issues/163).
+// KVQ_AVX512_IMM_BEGIN / KVQ_AVX512_IMM_END silence that around those uses only.
+#  if defined(__GNUC__) && !defined(__clang__) && !defined(__OPTIMIZE__)
+#    define KVQ_AVX512_IMM_BEGIN _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wsign-conversion\"")
+#    define KVQ_AVX512_IMM_END _Pragma("GCC diagnostic pop")
+#  else
+#    define KVQ_AVX512_IMM_BEGIN
+#    define KVQ_AVX512_IMM_END
 #  endif
 
 /// The 16-lane AVX-512 vector policy of simd_codecs.
@@ -145,6 +161,7 @@ struct ops {
   }
 
   // f16: RNE with NaN quieted, top payload kept — numeric.h's f32_to_f16_bits exactly.
+  KVQ_AVX512_IMM_BEGIN
   static void f16_store_hw(std::uint16_t* p, vf v) noexcept {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -152,6 +169,7 @@ struct ops {
   static vi f32_to_f16_hw(vf v) noexcept {
     return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  KVQ_AVX512_IMM_END
   /// Exact except that signalling NaNs come back quieted (simd_codecs repairs them).
   static vf f16_load_hw(std::uint16_t const* p) noexcept {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
@@ -192,11 +210,13 @@ struct ops {
     }
   }
   /// Lane l = the 4 bytes at base + l * stride.
+  KVQ_AVX512_IMM_BEGIN
   static vi gather_u32(std::uint8_t const* base, int stride) noexcept {
     __m512i const idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32(stride));
     return _mm512_i32gather_epi32(idx, base, 1);
   }
+  KVQ_AVX512_IMM_END
 
   // Attention (attention_kernels.hpp): compared with the reference within a tolerance, so
   // contraction is allowed here.
@@ -224,9 +244,11 @@ struct ops {
   /// f16 bits to float with F16C (NaN payloads are not preserved exactly).
   static float f16_scalar_hw(std::uint16_t h) noexcept { return _cvtsh_ss(h); }
   /// Each lane rounded to f16 and back (RNE).
+  KVQ_AVX512_IMM_BEGIN
   static vf round_f16(vf v) noexcept {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  KVQ_AVX512_IMM_END
   /// Exact sum of a[j] * b[j] over 32 signed bytes.
   static std::int32_t dot_s8x32(std::int8_t const* a, std::int8_t const* b) noexcept {
     __m256i const va = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(a));
@@ -285,6 +307,8 @@ struct ops {
 #  if defined(__GNUC__) && !defined(__clang__)
 #    pragma GCC diagnostic pop
 #  endif
+#  undef KVQ_AVX512_IMM_BEGIN
+#  undef KVQ_AVX512_IMM_END
 
 KVQ_CPU_DEFINE_ENTRY_POINTS(ops)
 KVQ_CPU_DEFINE_ATTENTION(ops)

@@ -64,16 +64,18 @@ struct simd_codecs {
 
   /// Loads n (may be <= 0) floats of p into the low lanes; the other lanes hold `fill`.
   static vf load_pad(float const* p, int n, float fill) noexcept {
-    alignas(64) float t[W];
+    alignas(64) float t[std::size_t{W}];
     for (int i = 0; i < W; ++i) t[i] = i < n ? p[i] : fill;
     return V::load(t);
   }
 
   /// Stores the low n (1 .. W) lanes of v to p.
   static void store_part(float* p, vf v, int n) noexcept {
-    alignas(64) float t[W];
+    alignas(64) float t[std::size_t{W}];
     V::store(t, v);
-    std::memcpy(p, t, static_cast<std::size_t>(n) * sizeof(float));
+    // Clamped so that the copy is visibly within t whatever the compiler can prove about n.
+    int const m = n < W ? n : W;
+    for (int i = 0; i < m; ++i) p[i] = t[i];
   }
 
   /// Lanes holding a NaN or an infinity (exponent all ones).
@@ -119,7 +121,7 @@ struct simd_codecs {
     for (; i + W <= n; i += W) V::f16_store_hw(h + i, V::load(x + i));
     if (i < n) {
       int const r = static_cast<int>(n - i);
-      alignas(64) u16 t[W];
+      alignas(64) u16 t[std::size_t{W}];
       V::f16_store_hw(t, load_pad(x + i, r, 0.0f));
       std::memcpy(h + i, t, static_cast<std::size_t>(r) * 2);
     }
@@ -131,7 +133,7 @@ struct simd_codecs {
     for (; i + W <= n; i += W) V::store(y + i, f16_load(h + i));
     if (i < n) {
       int const r = static_cast<int>(n - i);
-      alignas(64) u16 t[W] = {};
+      alignas(64) u16 t[std::size_t{W}] = {};
       std::memcpy(t, h + i, static_cast<std::size_t>(r) * 2);
       store_part(y + i, f16_load(t), r);
     }
@@ -143,7 +145,7 @@ struct simd_codecs {
     for (; i + W <= n; i += W) V::store_u16(h + i, bf16_bits(V::load(x + i)));
     if (i < n) {
       int const r = static_cast<int>(n - i);
-      alignas(64) u16 t[W];
+      alignas(64) u16 t[std::size_t{W}];
       V::store_u16(t, bf16_bits(load_pad(x + i, r, 0.0f)));
       std::memcpy(h + i, t, static_cast<std::size_t>(r) * 2);
     }
@@ -155,7 +157,7 @@ struct simd_codecs {
     for (; i + W <= n; i += W) V::store(y + i, V::from_bits(V::template slli<16>(V::load_u16(h + i))));
     if (i < n) {
       int const r = static_cast<int>(n - i);
-      alignas(64) u16 t[W] = {};
+      alignas(64) u16 t[std::size_t{W}] = {};
       std::memcpy(t, h + i, static_cast<std::size_t>(r) * 2);
       store_part(y + i, V::from_bits(V::template slli<16>(V::load_u16(t))), r);
     }
@@ -174,7 +176,7 @@ struct simd_codecs {
   /// Scans a block: amax and whether it is finite; q4_0: the first element of largest magnitude.
   template <bool Q4>
   static void ggml_scan(float const* x, float& amax_out, float& max_out, std::int32_t& bad_out) noexcept {
-    vf v[kq];
+    vf v[std::size_t{kq}];
     vf amax = V::set1(0.0f);
     vm bad = V::mask_false();
     for (int k = 0; k < kq; ++k) {
@@ -229,7 +231,7 @@ struct simd_codecs {
     vf const idv = V::set1(id);
     vf const bias = V::set1(8.5f);
     vi const top = V::set1_i(15);
-    vi c[kq];
+    vi c[std::size_t{kq}];
     for (int k = 0; k < kq; ++k) c[k] = V::min_i(V::cvtt(V::add(V::mul(V::load(x + k * W), idv), bias)), top);
     for (int k = 0; k < kq / 2; ++k) V::store_u8(qs + k * W, V::or_i(c[k], V::template slli<4>(c[k + kq / 2])));
   }
@@ -237,11 +239,11 @@ struct simd_codecs {
   /// Encodes a batch of n (1 .. W) full blocks x[i] (32 floats each) into dst[i].
   template <bool Q4>
   static void ggml_batch(float const* const* x, u8* const* dst, int n) noexcept {
-    alignas(64) float amax[W] = {};
-    alignas(64) float max[W] = {};
-    alignas(64) std::int32_t bad[W] = {};
-    alignas(64) float id[W];
-    alignas(64) u16 dh[W];
+    alignas(64) float amax[std::size_t{W}] = {};
+    alignas(64) float max[std::size_t{W}] = {};
+    alignas(64) std::int32_t bad[std::size_t{W}] = {};
+    alignas(64) float id[std::size_t{W}];
+    alignas(64) u16 dh[std::size_t{W}];
     for (int i = 0; i < n; ++i) ggml_scan<Q4>(x[i], amax[i], max[i], bad[i]);
     ggml_scales<Q4>(amax, max, bad, id, dh);
     for (int i = 0; i < n; ++i) {
@@ -261,9 +263,9 @@ struct simd_codecs {
                                std::size_t ds) noexcept {
     constexpr int qk = detail::qk_ggml;
     constexpr std::size_t bytes = Q4 ? sizeof(detail::block_q4_0) : sizeof(detail::block_q8_0);
-    alignas(64) float pad[W][qk];  // zero-padded copies of partial blocks (zeros take no part in amax/max)
-    float const* bx[W];
-    u8* bd[W];
+    alignas(64) float pad[std::size_t{W}][qk];  // zero-padded copies of partial blocks (zeros take no part in amax/max)
+    float const* bx[std::size_t{W}];
+    u8* bd[std::size_t{W}];
     int n = 0;
     for (std::int64_t r = 0; r < rows; ++r) {
       for (int c = 0; c < hd; c += qk) {
@@ -360,7 +362,7 @@ struct simd_codecs {
     vf const hi = V::set1(127.0f);
     for (int i = 0; i < full; i += W) V::store_u8(q + i, V::cvt_rne(V::min(V::max(V::div(V::load(x + i), s), lo), hi)));
     if (rest) {
-      alignas(64) u8 t[W];
+      alignas(64) u8 t[std::size_t{W}];
       V::store_u8(t, V::cvt_rne(V::min(V::max(V::div(tail, s), lo), hi)));
       std::memcpy(q + full, t, static_cast<std::size_t>(rest));
     }
@@ -374,7 +376,7 @@ struct simd_codecs {
     int i = 0;
     for (; i + W <= head_dim; i += W) V::store(y + i, V::mul(V::cvt_f(V::load_i8(q + i)), s));
     if (i < head_dim) {
-      alignas(64) u8 t[W] = {};
+      alignas(64) u8 t[std::size_t{W}] = {};
       std::memcpy(t, q + i, static_cast<std::size_t>(head_dim - i));
       store_part(y + i, V::mul(V::cvt_f(V::load_i8(t)), s), head_dim - i);
     }
@@ -421,7 +423,7 @@ struct simd_codecs {
     for (; i + W <= n; i += W) V::store_u8(dst + i, fp8_encode_vec<E4M3>(V::load(x + i), s, divide, sat));
     if (i < n) {
       int const r = static_cast<int>(n - i);
-      alignas(64) u8 t[W];
+      alignas(64) u8 t[std::size_t{W}];
       V::store_u8(t, fp8_encode_vec<E4M3>(load_pad(x + i, r, 0.0f), s, divide, sat));
       std::memcpy(dst + i, t, static_cast<std::size_t>(r));
     }
@@ -455,7 +457,7 @@ struct simd_codecs {
     for (; i + W <= n; i += W) V::store(y + i, V::mul(fp8_values<E4M3>(V::load_u8(src + i)), s));
     if (i < n) {
       int const r = static_cast<int>(n - i);
-      alignas(64) u8 t[W] = {};
+      alignas(64) u8 t[std::size_t{W}] = {};
       std::memcpy(t, src + i, static_cast<std::size_t>(r));
       store_part(y + i, V::mul(fp8_values<E4M3>(V::load_u8(t)), s), r);
     }
@@ -491,9 +493,9 @@ struct simd_codecs {
     constexpr int chunk_bytes = W * B / 8;
     int const chunks = (lanes + W - 1) / W;
     int const code_bytes = (lanes * B + 7) / 8;
-    alignas(64) float mn[W] = {};
-    alignas(64) float mx[W] = {};
-    alignas(64) std::int32_t bad[W] = {};
+    alignas(64) float mn[std::size_t{W}] = {};
+    alignas(64) float mx[std::size_t{W}] = {};
+    alignas(64) std::int32_t bad[std::size_t{W}] = {};
     for (int i = 0; i < m; ++i) {
       vf lo = V::set1(detail::f32_from_bits(0x7f800000u));
       vf hi = V::set1(detail::f32_from_bits(0xff800000u));
@@ -517,12 +519,12 @@ struct simd_codecs {
     vf const scale = V::div(V::sub(vmx, vmn), V::set1(static_cast<float>(detail::kivi_max_code(B))));
     vm const poisoned = V::eq_i(V::load_i(bad), V::set1_i(-1));
     vi const poison = V::set1_i(detail::kivi_poisoned_param);
-    alignas(64) u16 hs[W];
-    alignas(64) u16 hm[W];
+    alignas(64) u16 hs[std::size_t{W}];
+    alignas(64) u16 hm[std::size_t{W}];
     V::store_u16(hs, V::select_i(poisoned, poison, f16_saturate(V::f32_to_f16_hw(scale))));
     V::store_u16(hm, V::select_i(poisoned, poison, f16_saturate(V::f32_to_f16_hw(vmn))));
-    alignas(64) float s[W];
-    alignas(64) float mv[W];
+    alignas(64) float s[std::size_t{W}];
+    alignas(64) float mv[std::size_t{W}];
     V::store(s, f16_load(hs));
     V::store(mv, f16_load(hm));
 
@@ -546,8 +548,8 @@ struct simd_codecs {
         int const left = code_bytes - ch * chunk_bytes;
         if (left >= chunk_bytes) {
           V::template store_codes<B>(codes + ch * chunk_bytes, q);
-        } else {
-          alignas(64) u8 t[chunk_bytes];
+        } else if (left > 0) {  // always (ch * W < lanes); the test keeps GCC's -O0 -Wstringop-overflow quiet
+          alignas(64) u8 t[std::size_t{chunk_bytes}];
           V::template store_codes<B>(t, q);
           std::memcpy(codes + ch * chunk_bytes, t, static_cast<std::size_t>(left));
         }
@@ -569,8 +571,9 @@ struct simd_codecs {
       if (left >= chunk_bytes) {
         q = V::template load_codes<B>(codes + ch * chunk_bytes);
       } else {
-        alignas(64) u8 t[chunk_bytes] = {};
-        std::memcpy(t, codes + ch * chunk_bytes, static_cast<std::size_t>(left));
+        alignas(64) u8 t[std::size_t{chunk_bytes}] = {};
+        // left > 0 always (ch * W < n <= lanes); the test keeps GCC's -O0 -Wstringop-overflow quiet.
+        if (left > 0) std::memcpy(t, codes + ch * chunk_bytes, static_cast<std::size_t>(left));
         q = V::template load_codes<B>(t);
       }
       vf const r = kivi_values(q, s, m);
@@ -586,9 +589,9 @@ struct simd_codecs {
   static void kivi_value_encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst,
                                      std::size_t ds) noexcept {
     auto const g = kivi_value<B, G>::geometry(hd);
-    float const* gx[W];
-    int gn[W];
-    u8* gd[W];
+    float const* gx[std::size_t{W}];
+    int gn[std::size_t{W}];
+    u8* gd[std::size_t{W}];
     int m = 0;
     for (std::int64_t r = 0; r < rows; ++r) {
       for (int b = 0; b < g.blocks; ++b) {
@@ -657,8 +660,8 @@ struct simd_codecs {
         vf const lo = V::select_f(V::eq_f(mn[k], zf), zf, mn[k]);  // ±0 counts as +0
         vf const hi = V::select_f(V::eq_f(mx[k], zf), zf, mx[k]);
         vf const scale = V::div(V::sub(hi, lo), top);
-        alignas(64) u16 hs[W];
-        alignas(64) u16 hm[W];
+        alignas(64) u16 hs[std::size_t{W}];
+        alignas(64) u16 hm[std::size_t{W}];
         V::store_u16(hs, V::select_i(bad[k], poison, f16_saturate(V::f32_to_f16_hw(scale))));
         V::store_u16(hm, V::select_i(bad[k], poison, f16_saturate(V::f32_to_f16_hw(lo))));
         std::memcpy(dst + K::scale_offset(head_dim, c0), hs, sizeof hs);  // little-endian fp16 fields
@@ -678,7 +681,7 @@ struct simd_codecs {
           }
         }
         for (int k = 0; k < nv; ++k) {
-          alignas(64) std::int32_t words[W];
+          alignas(64) std::int32_t words[std::size_t{W}];
           V::store_i(words, acc[k]);
           u8* const codes = dst + K::codes_offset(head_dim, cb + k * W) + 4 * w;
           if constexpr (K::code_bytes % 4 == 0) {  // whole words: fixed-size stores
@@ -722,7 +725,7 @@ struct simd_codecs {
             if constexpr (gather_ok) {
               word[k] = V::gather_u32(codes, K::code_bytes);
             } else {
-              alignas(64) std::int32_t tw[W] = {};
+              alignas(64) std::int32_t tw[std::size_t{W}] = {};
               int const nb = K::code_bytes - 4 * w < 4 ? K::code_bytes - 4 * w : 4;
               for (int l = 0; l < W; ++l) std::memcpy(&tw[l], codes + l * K::code_bytes, static_cast<std::size_t>(nb));
               word[k] = V::load_i(tw);
@@ -762,23 +765,25 @@ struct simd_codecs {
       if (packed) {
         if (rows > 0) std::memcpy(dst, x, static_cast<std::size_t>(rows) * bytes);
       } else {
-        for (std::int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * ds, x + r * xs, bytes);
+        for (std::int64_t r = 0; r < rows; ++r) std::memcpy(dst + static_cast<std::size_t>(r) * ds, x + r * xs, bytes);
       }
     } else if constexpr (std::is_same_v<C, f16_codec>) {
       if (packed)
         to_f16(x, reinterpret_cast<u16*>(dst), rows * hd);
       else
-        for (std::int64_t r = 0; r < rows; ++r) to_f16(x + r * xs, reinterpret_cast<u16*>(dst + r * ds), hd);
+        for (std::int64_t r = 0; r < rows; ++r)
+          to_f16(x + r * xs, reinterpret_cast<u16*>(dst + static_cast<std::size_t>(r) * ds), hd);
     } else if constexpr (std::is_same_v<C, fp8_e4m3> || std::is_same_v<C, fp8_e5m2>) {
       constexpr bool e4m3 = std::is_same_v<C, fp8_e4m3>;
       if (packed)
         fp8_encode<e4m3>(x, dst, rows * hd, p);
       else
-        for (std::int64_t r = 0; r < rows; ++r) fp8_encode<e4m3>(x + r * xs, dst + r * ds, hd, p);
+        for (std::int64_t r = 0; r < rows; ++r)
+          fp8_encode<e4m3>(x + r * xs, dst + static_cast<std::size_t>(r) * ds, hd, p);
     } else if constexpr (std::is_same_v<C, q8_0> || std::is_same_v<C, q4_0>) {
       ggml_encode_rows<std::is_same_v<C, q4_0>>(x, xs, rows, hd, dst, ds);
     } else if constexpr (std::is_same_v<C, int8_sym>) {
-      for (std::int64_t r = 0; r < rows; ++r) int8_encode_row(x + r * xs, hd, dst + r * ds);
+      for (std::int64_t r = 0; r < rows; ++r) int8_encode_row(x + r * xs, hd, dst + static_cast<std::size_t>(r) * ds);
     } else if constexpr (kivi_value_traits<C>::value) {
       kivi_value_encode_rows<C::bits, C::group>(x, xs, rows, hd, dst, ds);
     } else {
@@ -795,25 +800,29 @@ struct simd_codecs {
       if (packed) {
         if (rows > 0) std::memcpy(y, src, static_cast<std::size_t>(rows) * bytes);
       } else {
-        for (std::int64_t r = 0; r < rows; ++r) std::memcpy(y + r * ys, src + r * ss, bytes);
+        for (std::int64_t r = 0; r < rows; ++r) std::memcpy(y + r * ys, src + static_cast<std::size_t>(r) * ss, bytes);
       }
     } else if constexpr (std::is_same_v<C, f16_codec>) {
       if (packed)
         from_f16(reinterpret_cast<u16 const*>(src), y, rows * hd);
       else
-        for (std::int64_t r = 0; r < rows; ++r) from_f16(reinterpret_cast<u16 const*>(src + r * ss), y + r * ys, hd);
+        for (std::int64_t r = 0; r < rows; ++r)
+          from_f16(reinterpret_cast<u16 const*>(src + static_cast<std::size_t>(r) * ss), y + r * ys, hd);
     } else if constexpr (std::is_same_v<C, fp8_e4m3> || std::is_same_v<C, fp8_e5m2>) {
       constexpr bool e4m3 = std::is_same_v<C, fp8_e4m3>;
       if (packed)
         fp8_decode<e4m3>(src, y, rows * hd, p);
       else
-        for (std::int64_t r = 0; r < rows; ++r) fp8_decode<e4m3>(src + r * ss, y + r * ys, hd, p);
+        for (std::int64_t r = 0; r < rows; ++r)
+          fp8_decode<e4m3>(src + static_cast<std::size_t>(r) * ss, y + r * ys, hd, p);
     } else if constexpr (std::is_same_v<C, q8_0> || std::is_same_v<C, q4_0>) {
-      for (std::int64_t r = 0; r < rows; ++r) ggml_decode_row<std::is_same_v<C, q4_0>>(src + r * ss, hd, y + r * ys);
+      for (std::int64_t r = 0; r < rows; ++r)
+        ggml_decode_row<std::is_same_v<C, q4_0>>(src + static_cast<std::size_t>(r) * ss, hd, y + r * ys);
     } else if constexpr (std::is_same_v<C, int8_sym>) {
-      for (std::int64_t r = 0; r < rows; ++r) int8_decode_row(src + r * ss, hd, y + r * ys);
+      for (std::int64_t r = 0; r < rows; ++r) int8_decode_row(src + static_cast<std::size_t>(r) * ss, hd, y + r * ys);
     } else if constexpr (kivi_value_traits<C>::value) {
-      for (std::int64_t r = 0; r < rows; ++r) kivi_value_decode_row<C::bits, C::group>(src + r * ss, hd, y + r * ys);
+      for (std::int64_t r = 0; r < rows; ++r)
+        kivi_value_decode_row<C::bits, C::group>(src + static_cast<std::size_t>(r) * ss, hd, y + r * ys);
     } else {
       scalar::decode_rows<C>(src, ss, rows, hd, y, ys, p);
     }

@@ -47,6 +47,7 @@
 #include "../../codec/passthrough.hpp"
 #include "../../codec/q4_0.hpp"
 #include "../../codec/q8_0.hpp"
+#include "../../detail/host_vector.hpp"
 #include "../../error.hpp"
 #include "../backend.hpp"
 #include "cuda_device.h"
@@ -456,13 +457,7 @@ inline void check_cuda_tensor(kv_tensor<T> const& x, cache_shape const& shape, c
                          std::to_string(shape.head_dim) + ")");
   check<shape_error>(x.tokens >= 0, w + " token count " + std::to_string(x.tokens) + " is negative");
   check<shape_error>(x.tokens == 0 || x.data != nullptr, w + " data is null");
-  std::int64_t const ts = x.token_stride, hs = x.head_stride, d = x.head_dim;
-  bool const token_major_ok = hs >= d && (x.tokens <= 1 || ts >= hs * x.kv_heads);
-  bool const head_major_ok = ts >= d && (x.kv_heads <= 1 || hs >= ts * x.tokens);
-  bool const single = x.tokens <= 1 && x.kv_heads <= 1;
-  check<shape_error>(ts >= 0 && hs >= 0 && (single || token_major_ok || head_major_ok),
-                     w + " strides (token " + std::to_string(ts) + ", head " + std::to_string(hs) + ") make rows of " +
-                         std::to_string(d) + " elements overlap");
+  check_tensor_strides(x.tokens, x.kv_heads, x.head_dim, x.token_stride, x.head_stride, sizeof(T), what);
 }
 
 }  // namespace detail
@@ -713,7 +708,7 @@ class cuda_cache_core {
           a.head = h;
           a.first = static_cast<int>(p.untile_first);
           a.count = static_cast<int>(p.untile_count);
-          a.out_type = kvq_cuda::elem_f16;
+          a.out_type = kvq_cuda::elem_f16_sat;  // the residual saturates, as on the CPU
           succeed(rt_.template decode<key_id>(a, static_cast<long long>(a.count) * a.head_dim, stream));
         }
       }
@@ -862,15 +857,23 @@ class cuda_cache_core {
     check_head(head);
     char const* what = Keys ? "read_keys" : "read_values";
     std::int64_t const len = st.length;
-    detail::check<index_error>(first >= 0 && count >= 0 && first <= len && count <= len - first,
-                               std::string(what) + ": range [" + std::to_string(first) + ", " +
-                                   std::to_string(first + count) + ") is outside the " + std::to_string(len) +
-                                   " tokens of layer " + std::to_string(layer));
+    detail::check<index_error>(first >= 0 && count >= 0 && first <= len && count <= len - first, [&] {
+      return std::string(what) + ": range " + detail::format_range(first, count) + " is outside the " +
+             std::to_string(len) + " tokens of layer " + std::to_string(layer);
+    });
     int const d = shape_.head_dim;
     std::int64_t const stride = out_stride == 0 ? d : out_stride;
     detail::check<shape_error>(stride >= d, std::string(what) + ": output stride " + std::to_string(stride) +
                                                 " is smaller than head_dim " + std::to_string(d));
     detail::check<shape_error>(count == 0 || out != nullptr, std::string(what) + ": output is null");
+    std::int64_t extent = d;  // (count - 1) * stride + head_dim elements, as the CPU cache checks
+    detail::check<shape_error>(count == 0 || detail::add_product_within(extent, stride, count - 1,
+                                                                        std::numeric_limits<std::ptrdiff_t>::max() /
+                                                                            static_cast<std::int64_t>(sizeof(T))),
+                               [&] {
+                                 return std::string(what) + ": " + std::to_string(count) + " rows " +
+                                        std::to_string(stride) + " elements apart do not fit in the address space";
+                               });
     if (count == 0) return;
     kvq_cuda::decode_args a{};
     a.layer = layers_[static_cast<std::size_t>(layer)];
@@ -897,7 +900,7 @@ class cuda_cache_core {
   detail::cuda_side key_;
   detail::cuda_side value_;
   std::size_t layer_bytes_ = 0;
-  std::vector<unsigned char*> layers_;
+  detail::vector<unsigned char*> layers_;
   std::vector<detail::cuda_state> state_;
   std::string failure_;
 };
@@ -930,8 +933,8 @@ void cuda_attention_batch(std::span<cuda_cache_core<Choice, Runtime>* const> cac
                                                                        " query heads is not a positive multiple of " +
                                                                        std::to_string(shape.kv_heads) + " kv heads");
   check<shape_error>(q != nullptr && out != nullptr, "attention: the query or the output is null");
-  check<invalid_argument_error>(std::isfinite(opt.scale) && opt.scale >= 0.0f && std::isfinite(opt.softcap) &&
-                                    opt.softcap >= 0.0f && opt.window >= 0,
+  check<invalid_argument_error>(detail::is_finite_f32(opt.scale) && opt.scale >= 0.0f &&
+                                    detail::is_finite_f32(opt.softcap) && opt.softcap >= 0.0f && opt.window >= 0,
                                 "attention: scale, softcap and window must be finite and non-negative");
   float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
   std::int64_t span = 0;

@@ -59,6 +59,7 @@ enum elem_type : int {
   elem_f32 = 0,
   elem_f16 = 1,
   elem_bf16 = 2,
+  elem_f16_sat = 3,  ///< output only: f16 with finite values saturating to ±65504 (the KIVI residual)
 };
 
 /// Where the keys (or values) of a layer live in the layer's allocation, and their codec state.
@@ -231,29 +232,32 @@ namespace kc = ::kvq_cuda;
 // ---- small helpers -------------------------------------------------------------------------------
 
 /// Reads a little-endian u16 from any byte address.
-KVQ_HOST_DEVICE unsigned ld_u16(unsigned char const* p) { return (unsigned)p[0] | ((unsigned)p[1] << 8); }
+KVQ_HOST_DEVICE unsigned ld_u16(unsigned char const* p) {
+  return static_cast<unsigned>(p[0]) | (static_cast<unsigned>(p[1]) << 8);
+}
 
 /// Reads a little-endian u32 from any byte address.
 KVQ_HOST_DEVICE unsigned ld_u32(unsigned char const* p) {
-  return (unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) | ((unsigned)p[3] << 24);
+  return static_cast<unsigned>(p[0]) | (static_cast<unsigned>(p[1]) << 8) | (static_cast<unsigned>(p[2]) << 16) |
+         (static_cast<unsigned>(p[3]) << 24);
 }
 
 /// Writes a little-endian u16 to any byte address.
 KVQ_HOST_DEVICE void st_u16(unsigned char* p, unsigned v) {
-  p[0] = (unsigned char)(v & 0xffu);
-  p[1] = (unsigned char)((v >> 8) & 0xffu);
+  p[0] = static_cast<unsigned char>(v & 0xffu);
+  p[1] = static_cast<unsigned char>((v >> 8) & 0xffu);
 }
 
 /// Writes a little-endian u32 to any byte address.
 KVQ_HOST_DEVICE void st_u32(unsigned char* p, unsigned v) {
-  p[0] = (unsigned char)(v & 0xffu);
-  p[1] = (unsigned char)((v >> 8) & 0xffu);
-  p[2] = (unsigned char)((v >> 16) & 0xffu);
-  p[3] = (unsigned char)((v >> 24) & 0xffu);
+  p[0] = static_cast<unsigned char>(v & 0xffu);
+  p[1] = static_cast<unsigned char>((v >> 8) & 0xffu);
+  p[2] = static_cast<unsigned char>((v >> 16) & 0xffu);
+  p[3] = static_cast<unsigned char>((v >> 24) & 0xffu);
 }
 
 /// The signed value of a two's-complement byte.
-KVQ_HOST_DEVICE int sext8(unsigned b) { return (int)(b & 0xffu) - (int)((b & 0x80u) << 1); }
+KVQ_HOST_DEVICE int sext8(unsigned b) { return static_cast<int>(b & 0xffu) - static_cast<int>((b & 0x80u) << 1); }
 
 KVQ_HOST_DEVICE int imin(int a, int b) { return a < b ? a : b; }
 
@@ -263,6 +267,11 @@ KVQ_HOST_DEVICE float quiet_nan() { return detail::f32_from_bits(0x7fc00000u); }
 
 /// Rounds a float to f16 and back (round to nearest even; NaN stays NaN).
 KVQ_HOST_DEVICE float round_f16(float x) { return detail::f16_bits_to_f32(detail::f32_to_f16_bits(x)); }
+
+/// Rounds a float to f16 and back as the KIVI residual stores it: finite values saturate to ±65504.
+KVQ_HOST_DEVICE float round_f16_satfinite(float x) {
+  return detail::f16_bits_to_f32(detail::f32_to_f16_bits_satfinite(x));
+}
 
 /// e^x (the C library's expf on the host, CUDA's expf on the device; never a fast approximation).
 KVQ_HOST_DEVICE float exp_f32(float x) { return expf(x); }
@@ -290,10 +299,10 @@ KVQ_HOST_DEVICE long long elem_bytes(int type) { return type == kc::elem_f32 ? 4
 
 /// Start of kv_head h's region in a layer allocation.
 KVQ_HOST_DEVICE unsigned char* region_ptr(unsigned char* layer, kc::region const& r, int h) {
-  return layer + r.head0 + (long long)h * r.head_stride;
+  return layer + r.head0 + static_cast<long long>(h) * r.head_stride;
 }
 KVQ_HOST_DEVICE unsigned char const* region_ptr(unsigned char const* layer, kc::region const& r, int h) {
-  return layer + r.head0 + (long long)h * r.head_stride;
+  return layer + r.head0 + static_cast<long long>(h) * r.head_stride;
 }
 
 // ---- fp8 conversions: hardware where it matches the shared software path bit for bit ---------------
@@ -305,7 +314,8 @@ KVQ_HOST_DEVICE unsigned char const* region_ptr(unsigned char const* layer, kc::
 KVQ_HOST_DEVICE unsigned char fp8_e4m3_encode(float x, float scale, bool saturate) {
 #if defined(KVQ_CUDA_HW_FP8)
   const float y = detail::div_rn(x, scale);
-  if (saturate && !detail::is_nan_f32(y)) return (unsigned char)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
+  if (saturate && !detail::is_nan_f32(y))
+    return static_cast<unsigned char>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
   return detail::f32_to_e4m3(y, saturate);
 #else
   return detail::f32_to_e4m3_scaled(x, scale, saturate);
@@ -316,7 +326,8 @@ KVQ_HOST_DEVICE unsigned char fp8_e4m3_encode(float x, float scale, bool saturat
 KVQ_HOST_DEVICE unsigned char fp8_e5m2_encode(float x, float scale, bool saturate) {
 #if defined(KVQ_CUDA_HW_FP8)
   const float y = detail::div_rn(x, scale);
-  if (saturate && !detail::is_nan_f32(y)) return (unsigned char)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E5M2);
+  if (saturate && !detail::is_nan_f32(y))
+    return static_cast<unsigned char>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E5M2));
   return detail::f32_to_e5m2(y, saturate);
 #else
   return detail::f32_to_e5m2_scaled(x, scale, saturate);
@@ -328,7 +339,7 @@ KVQ_HOST_DEVICE unsigned char fp8_e5m2_encode(float x, float scale, bool saturat
 KVQ_HOST_DEVICE float fp8_e4m3_decode(unsigned char code, float scale) {
 #if defined(KVQ_CUDA_HW_FP8)
   if ((code & 0x7fu) != 0x7fu) {
-    const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, __NV_E4M3);
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
     return detail::mul_rn(detail::f16_bits_to_f32((detail::u16)h.x), scale);
   }
 #endif
@@ -355,12 +366,12 @@ struct row_ref {
 KVQ_HOST_DEVICE float row_value(row_ref r, int c) {
   float x;
   if (r.type == kc::elem_f32) {
-    x = ((float const*)r.p)[c];
+    x = reinterpret_cast<float const*>(r.p)[c];
   } else {
-    const detail::u16 h = ((detail::u16 const*)r.p)[c];
+    const detail::u16 h = reinterpret_cast<detail::u16 const*>(r.p)[c];
     x = r.type == kc::elem_f16 ? detail::f16_bits_to_f32(h) : detail::bf16_bits_to_f32(h);
   }
-  return r.round != 0 ? round_f16(x) : x;
+  return r.round != 0 ? round_f16_satfinite(x) : x;
 }
 
 /// Batch row i of kv_head h of a write kernel (see kvq_cuda::source).
@@ -368,14 +379,14 @@ KVQ_HOST_DEVICE row_ref batch_row(kc::write_args const& a, int h, int i) {
   row_ref r;
   if (i < a.src.from_residual) {
     const int row = (a.src.residual_first + i) % a.dst.residual_rows;
-    r.p = region_ptr((unsigned char const*)a.layer, a.dst, h) + a.dst.residual_offset +
-          (long long)row * (long long)a.head_dim * 2;
+    r.p = region_ptr(static_cast<unsigned char const*>(a.layer), a.dst, h) + a.dst.residual_offset +
+          static_cast<long long>(row) * static_cast<long long>(a.head_dim) * 2;
     r.type = kc::elem_f16;
     r.round = 0;
   } else {
-    const long long token = (long long)(a.src.first + i - a.src.from_residual);
-    r.p = (unsigned char const*)a.src.data +
-          (token * a.src.token_stride + (long long)h * a.src.head_stride) * elem_bytes(a.src.type);
+    const long long token = static_cast<long long>(a.src.first + i - a.src.from_residual);
+    r.p = static_cast<unsigned char const*>(a.src.data) +
+          (token * a.src.token_stride + static_cast<long long>(h) * a.src.head_stride) * elem_bytes(a.src.type);
     r.type = a.src.type;
     r.round = a.src.round_f16;
   }
@@ -406,7 +417,9 @@ KVQ_HOST_DEVICE void encode_q8_0(row_ref x, int head_dim, int b, unsigned char* 
   const float id = detail::ggml_inverse_scale(d);
   st_u16(blk, detail::f32_to_f16_bits(d));
   for (int j = 0; j < 32; ++j)
-    blk[2 + j] = j < n ? (unsigned char)((unsigned)detail::q8_0_code(row_value(x, c0 + j), id) & 0xffu) : 0;
+    blk[2 + j] =
+        j < n ? static_cast<unsigned char>(static_cast<unsigned>(detail::q8_0_code(row_value(x, c0 + j), id)) & 0xffu)
+              : 0;
 }
 
 /// Encodes block b of a row as ggml block_q4_0 at blk (18 bytes). As q4_0::encode_block.
@@ -436,7 +449,7 @@ KVQ_HOST_DEVICE void encode_q4_0(row_ref x, int head_dim, int b, unsigned char* 
   for (int j = 0; j < 16; ++j) {
     const int lo = detail::q4_0_code(j < n ? row_value(x, c0 + j) : 0.0f, id);
     const int hi = detail::q4_0_code(j + 16 < n ? row_value(x, c0 + j + 16) : 0.0f, id);
-    blk[2 + j] = (unsigned char)((unsigned)(lo | (hi << 4)) & 0xffu);
+    blk[2 + j] = static_cast<unsigned char>(static_cast<unsigned>(lo | (hi << 4)) & 0xffu);
   }
 }
 
@@ -455,7 +468,8 @@ KVQ_HOST_DEVICE void encode_int8(row_ref x, int head_dim, unsigned char* row) {
   const bool coded = finite && scale != 0.0f;
   for (int i = 0; i < head_dim; ++i)
     row[detail::int8_row_header_bytes + i] =
-        coded ? (unsigned char)((unsigned)detail::int8_code(row_value(x, i), scale) & 0xffu) : 0;
+        coded ? static_cast<unsigned char>(static_cast<unsigned>(detail::int8_code(row_value(x, i), scale)) & 0xffu)
+              : 0;
 }
 
 /// Encodes group b (channels [b gv, b gv + gv), gv = min(G, head_dim)) of a row as a KIVI value
@@ -465,7 +479,7 @@ KVQ_HOST_DEVICE void encode_kivi_value(row_ref x, int head_dim, int b, int group
   const int c0 = b * gv;
   const int n = imin(gv, head_dim - c0);
   const int code_bytes = (gv * bits + 7) / 8;
-  unsigned char* blk = row + (long long)b * (detail::kivi_group_header_bytes + code_bytes);
+  unsigned char* blk = row + static_cast<long long>(b) * (detail::kivi_group_header_bytes + code_bytes);
   detail::kivi_range r = detail::kivi_range_empty();
   for (int i = 0; i < n; ++i) r = detail::kivi_range_add(r, row_value(x, c0 + i));
   const detail::kivi_header hd = detail::kivi_make_header(r, bits);
@@ -488,13 +502,13 @@ KVQ_HOST_DEVICE void encode_kivi_value(row_ref x, int head_dim, int b, int group
 template <int C>
 KVQ_HOST_DEVICE void encode_block(row_ref x, int head_dim, int b, kc::region const& r, unsigned char* row) {
   if constexpr (C == kc::codec_f32) {
-    ((detail::u32*)row)[b] = detail::f32_bits(row_value(x, b));  // rows of 4 * head_dim bytes: aligned
+    reinterpret_cast<detail::u32*>(row)[b] = detail::f32_bits(row_value(x, b));  // rows of 4 * head_dim bytes: aligned
   } else if constexpr (C == kc::codec_f16) {
-    ((detail::u16*)row)[b] = detail::f32_to_f16_bits(row_value(x, b));
+    reinterpret_cast<detail::u16*>(row)[b] = detail::f32_to_f16_bits(row_value(x, b));
   } else if constexpr (C == kc::codec_q8_0) {
-    encode_q8_0(x, head_dim, b, row + (long long)b * (long long)sizeof(detail::block_q8_0));
+    encode_q8_0(x, head_dim, b, row + static_cast<long long>(b) * static_cast<long long>(sizeof(detail::block_q8_0)));
   } else if constexpr (C == kc::codec_q4_0) {
-    encode_q4_0(x, head_dim, b, row + (long long)b * (long long)sizeof(detail::block_q4_0));
+    encode_q4_0(x, head_dim, b, row + static_cast<long long>(b) * static_cast<long long>(sizeof(detail::block_q4_0)));
   } else if constexpr (C == kc::codec_int8) {
     encode_int8(x, head_dim, row);
   } else if constexpr (C == kc::codec_fp8_e4m3) {
@@ -510,13 +524,13 @@ KVQ_HOST_DEVICE void encode_block(row_ref x, int head_dim, int b, kc::region con
 /// Thread `idx` of encode_rows: threads (kv_heads, count, blocks), blocks fastest.
 template <int C>
 KVQ_HOST_DEVICE void encode_rows_thread(kc::write_args const& a, long long idx) {
-  const long long per_head = (long long)a.count * a.blocks;
+  const long long per_head = static_cast<long long>(a.count) * a.blocks;
   if (idx >= per_head * a.kv_heads) return;
-  const int h = (int)(idx / per_head);
-  const long long rem = idx - (long long)h * per_head;
-  const int i = (int)(rem / a.blocks);
-  const int b = (int)(rem - (long long)i * a.blocks);
-  unsigned char* row = region_ptr(a.layer, a.dst, h) + (long long)(a.first + i) * a.dst.unit_bytes;
+  const int h = static_cast<int>(idx / per_head);
+  const long long rem = idx - static_cast<long long>(h) * per_head;
+  const int i = static_cast<int>(rem / a.blocks);
+  const int b = static_cast<int>(rem - static_cast<long long>(i) * a.blocks);
+  unsigned char* row = region_ptr(a.layer, a.dst, h) + static_cast<long long>(a.first + i) * a.dst.unit_bytes;
   encode_block<C>(batch_row(a, h, i), a.head_dim, b, a.dst, row);
 }
 
@@ -528,24 +542,24 @@ KVQ_HOST_DEVICE void encode_key_tile_thread(kc::write_args const& a, long long i
   constexpr int bits = kivi_bits(C);
   const int g = a.dst.group;
   const int tiles = a.count / g;
-  const long long per_head = (long long)tiles * a.head_dim;
+  const long long per_head = static_cast<long long>(tiles) * a.head_dim;
   if (idx >= per_head * a.kv_heads) return;
-  const int h = (int)(idx / per_head);
-  const long long rem = idx - (long long)h * per_head;
-  const int j = (int)(rem / a.head_dim);
-  const int c = (int)(rem - (long long)j * a.head_dim);
-  unsigned char* tile = region_ptr(a.layer, a.dst, h) + (long long)(a.first + j) * a.dst.unit_bytes;
+  const int h = static_cast<int>(idx / per_head);
+  const long long rem = idx - static_cast<long long>(h) * per_head;
+  const int j = static_cast<int>(rem / a.head_dim);
+  const int c = static_cast<int>(rem - static_cast<long long>(j) * a.head_dim);
+  unsigned char* tile = region_ptr(a.layer, a.dst, h) + static_cast<long long>(a.first + j) * a.dst.unit_bytes;
   detail::kivi_range range = detail::kivi_range_empty();
   for (int t = 0; t < g; ++t) range = detail::kivi_range_add(range, row_value(batch_row(a, h, j * g + t), c));
   const detail::kivi_header hd = detail::kivi_make_header(range, bits);
-  st_u16(tile + 2 * (long long)c, hd.scale);
-  st_u16(tile + 2 * ((long long)a.head_dim + c), hd.min);
+  st_u16(tile + 2 * static_cast<long long>(c), hd.scale);
+  st_u16(tile + 2 * (static_cast<long long>(a.head_dim) + c), hd.min);
   const float s = detail::f16_bits_to_f32(hd.scale);
   const float m = detail::f16_bits_to_f32(hd.min);
   const int code_bytes = g * bits / 8;
   const int per_byte = 8 / bits;
-  unsigned char* codes =
-      tile + (long long)detail::kivi_group_header_bytes * a.head_dim + (long long)code_bytes * (long long)c;
+  unsigned char* codes = tile + static_cast<long long>(detail::kivi_group_header_bytes) * a.head_dim +
+                         static_cast<long long>(code_bytes) * static_cast<long long>(c);
   for (int k = 0; k < code_bytes; ++k) {
     detail::u8 byte = 0;
     for (int e = 0; e < per_byte && range.finite; ++e) {
@@ -558,15 +572,16 @@ KVQ_HOST_DEVICE void encode_key_tile_thread(kc::write_args const& a, long long i
 
 /// Thread `idx` of store_f16_rows: threads (kv_heads, count, head_dim), channels fastest.
 KVQ_HOST_DEVICE void store_f16_thread(kc::write_args const& a, long long idx) {
-  const long long per_head = (long long)a.count * a.head_dim;
+  const long long per_head = static_cast<long long>(a.count) * a.head_dim;
   if (idx >= per_head * a.kv_heads) return;
-  const int h = (int)(idx / per_head);
-  const long long rem = idx - (long long)h * per_head;
-  const int i = (int)(rem / a.head_dim);
-  const int c = (int)(rem - (long long)i * a.head_dim);
+  const int h = static_cast<int>(idx / per_head);
+  const long long rem = idx - static_cast<long long>(h) * per_head;
+  const int i = static_cast<int>(rem / a.head_dim);
+  const int c = static_cast<int>(rem - static_cast<long long>(i) * a.head_dim);
   const int row = (a.first + i) % a.dst.residual_rows;
-  detail::u16* res = (detail::u16*)(region_ptr(a.layer, a.dst, h) + a.dst.residual_offset);
-  res[(long long)row * a.head_dim + c] = detail::f32_to_f16_bits(row_value(batch_row(a, h, i), c));
+  detail::u16* res = reinterpret_cast<detail::u16*>(region_ptr(a.layer, a.dst, h) + a.dst.residual_offset);
+  res[static_cast<long long>(row) * a.head_dim + c] =
+      detail::f32_to_f16_bits_satfinite(row_value(batch_row(a, h, i), c));
 }
 
 // ---- decoders ----------------------------------------------------------------------------------
@@ -575,17 +590,19 @@ KVQ_HOST_DEVICE void store_f16_thread(kc::write_args const& a, long long idx) {
 template <int C>
 KVQ_HOST_DEVICE float decode_row_element(unsigned char const* row, int head_dim, int c, kc::region const& r) {
   if constexpr (C == kc::codec_f32) {
-    return ((float const*)row)[c];
+    return reinterpret_cast<float const*>(row)[c];
   } else if constexpr (C == kc::codec_f16) {
-    return detail::f16_bits_to_f32(((detail::u16 const*)row)[c]);
+    return detail::f16_bits_to_f32(reinterpret_cast<detail::u16 const*>(row)[c]);
   } else if constexpr (C == kc::codec_q8_0) {
-    unsigned char const* blk = row + (long long)(c / 32) * (long long)sizeof(detail::block_q8_0);
-    return detail::q8_0_value(sext8(blk[2 + c % 32]), detail::f16_bits_to_f32((detail::u16)ld_u16(blk)));
+    unsigned char const* blk =
+        row + static_cast<long long>(c / 32) * static_cast<long long>(sizeof(detail::block_q8_0));
+    return detail::q8_0_value(sext8(blk[2 + c % 32]), detail::f16_bits_to_f32(static_cast<detail::u16>(ld_u16(blk))));
   } else if constexpr (C == kc::codec_q4_0) {
-    unsigned char const* blk = row + (long long)(c / 32) * (long long)sizeof(detail::block_q4_0);
+    unsigned char const* blk =
+        row + static_cast<long long>(c / 32) * static_cast<long long>(sizeof(detail::block_q4_0));
     const int j = c % 32;
-    const int nibble = j < 16 ? (int)(blk[2 + j] & 0x0fu) : (int)(blk[2 + j - 16] >> 4);
-    return detail::q4_0_value(nibble, detail::f16_bits_to_f32((detail::u16)ld_u16(blk)));
+    const int nibble = j < 16 ? static_cast<int>(blk[2 + j] & 0x0fu) : static_cast<int>(blk[2 + j - 16] >> 4);
+    return detail::q4_0_value(nibble, detail::f16_bits_to_f32(static_cast<detail::u16>(ld_u16(blk))));
   } else if constexpr (C == kc::codec_int8) {
     return detail::int8_value(sext8(row[detail::int8_row_header_bytes + c]), detail::f32_from_bits(ld_u32(row)));
   } else if constexpr (C == kc::codec_fp8_e4m3) {
@@ -597,11 +614,12 @@ KVQ_HOST_DEVICE float decode_row_element(unsigned char const* row, int head_dim,
     constexpr int bits = kivi_bits(C);
     const int gv = imin(r.group, head_dim);
     const int lane = c % gv;
-    unsigned char const* blk = row + (long long)(c / gv) * (detail::kivi_group_header_bytes + (gv * bits + 7) / 8);
+    unsigned char const* blk =
+        row + static_cast<long long>(c / gv) * (detail::kivi_group_header_bytes + (gv * bits + 7) / 8);
     const int q =
         detail::kivi_unpack(blk[detail::kivi_group_header_bytes + detail::kivi_code_byte(lane, bits)], lane, bits);
-    return detail::kivi_value(q, detail::f16_bits_to_f32((detail::u16)ld_u16(blk)),
-                              detail::f16_bits_to_f32((detail::u16)ld_u16(blk + 2)));
+    return detail::kivi_value(q, detail::f16_bits_to_f32(static_cast<detail::u16>(ld_u16(blk))),
+                              detail::f16_bits_to_f32(static_cast<detail::u16>(ld_u16(blk + 2))));
   }
 }
 
@@ -611,38 +629,42 @@ template <int C>
 KVQ_HOST_DEVICE float decode_element(unsigned char const* reg, kc::region const& r, int head_dim, int t, int c) {
   if (t >= r.quantized) {
     const int row = (r.residual_first + (t - r.quantized)) % r.residual_rows;
-    return detail::f16_bits_to_f32(((detail::u16 const*)(reg + r.residual_offset))[(long long)row * head_dim + c]);
+    return detail::f16_bits_to_f32(
+        reinterpret_cast<detail::u16 const*>(reg + r.residual_offset)[static_cast<long long>(row) * head_dim + c]);
   }
   if constexpr (is_kivi_key(C)) {
     constexpr int bits = kivi_bits(C);
     const int g = r.group;
     const int tt = t % g;
-    unsigned char const* tile = reg + (long long)(t / g) * r.unit_bytes;
-    const float s = detail::f16_bits_to_f32((detail::u16)ld_u16(tile + 2 * (long long)c));
-    const float m = detail::f16_bits_to_f32((detail::u16)ld_u16(tile + 2 * ((long long)head_dim + c)));
-    unsigned char const* codes =
-        tile + (long long)detail::kivi_group_header_bytes * head_dim + (long long)(g * bits / 8) * (long long)c;
+    unsigned char const* tile = reg + static_cast<long long>(t / g) * r.unit_bytes;
+    const float s = detail::f16_bits_to_f32(static_cast<detail::u16>(ld_u16(tile + 2 * static_cast<long long>(c))));
+    const float m =
+        detail::f16_bits_to_f32(static_cast<detail::u16>(ld_u16(tile + 2 * (static_cast<long long>(head_dim) + c))));
+    unsigned char const* codes = tile + static_cast<long long>(detail::kivi_group_header_bytes) * head_dim +
+                                 static_cast<long long>(g * bits / 8) * static_cast<long long>(c);
     const int q = detail::kivi_unpack(codes[detail::kivi_code_byte(tt, bits)], tt, bits);
     return detail::kivi_value(q, s, m);
   } else {
-    return decode_row_element<C>(reg + (long long)t * r.unit_bytes, head_dim, c, r);
+    return decode_row_element<C>(reg + static_cast<long long>(t) * r.unit_bytes, head_dim, c, r);
   }
 }
 
 /// Thread `idx` of decode: threads (count, head_dim), channels fastest.
 template <int C>
 KVQ_HOST_DEVICE void decode_thread(kc::decode_args const& a, long long idx) {
-  if (idx >= (long long)a.count * a.head_dim) return;
-  const int i = (int)(idx / a.head_dim);
-  const int c = (int)(idx - (long long)i * a.head_dim);
+  if (idx >= static_cast<long long>(a.count) * a.head_dim) return;
+  const int i = static_cast<int>(idx / a.head_dim);
+  const int c = static_cast<int>(idx - static_cast<long long>(i) * a.head_dim);
   const float v = decode_element<C>(region_ptr(a.layer, a.src, a.head), a.src, a.head_dim, a.first + i, c);
-  const long long o = (long long)i * a.out_stride + c;
+  const long long o = static_cast<long long>(i) * a.out_stride + c;
   if (a.out_type == kc::elem_f32) {
-    ((float*)a.out)[o] = v;  // outputs are aligned to their element type
+    static_cast<float*>(a.out)[o] = v;  // outputs are aligned to their element type
   } else if (a.out_type == kc::elem_f16) {
-    ((detail::u16*)a.out)[o] = detail::f32_to_f16_bits(v);
+    static_cast<detail::u16*>(a.out)[o] = detail::f32_to_f16_bits(v);
+  } else if (a.out_type == kc::elem_f16_sat) {
+    static_cast<detail::u16*>(a.out)[o] = detail::f32_to_f16_bits_satfinite(v);
   } else {
-    ((detail::u16*)a.out)[o] = detail::f32_to_bf16_bits(v);
+    static_cast<detail::u16*>(a.out)[o] = detail::f32_to_bf16_bits(v);
   }
 }
 
@@ -654,19 +676,19 @@ template <int C>
 KVQ_HOST_DEVICE float block_dot(unsigned char const* row, int b, signed char const* qc, float dq) {
   int sumi = 0;
   if constexpr (C == kc::codec_q8_0) {
-    unsigned char const* blk = row + (long long)b * (long long)sizeof(detail::block_q8_0);
-    for (int j = 0; j < 32; ++j) sumi += sext8(blk[2 + j]) * (int)qc[j];
-    const float dk = detail::f16_bits_to_f32((detail::u16)ld_u16(blk));
-    return detail::mul_rn((float)sumi, detail::mul_rn(dk, dq));
+    unsigned char const* blk = row + static_cast<long long>(b) * static_cast<long long>(sizeof(detail::block_q8_0));
+    for (int j = 0; j < 32; ++j) sumi += sext8(blk[2 + j]) * static_cast<int>(qc[j]);
+    const float dk = detail::f16_bits_to_f32(static_cast<detail::u16>(ld_u16(blk)));
+    return detail::mul_rn(static_cast<float>(sumi), detail::mul_rn(dk, dq));
   } else {
     static_assert(C == kc::codec_q4_0, "kvq: block_dot needs q8_0 or q4_0 keys");
-    unsigned char const* blk = row + (long long)b * (long long)sizeof(detail::block_q4_0);
+    unsigned char const* blk = row + static_cast<long long>(b) * static_cast<long long>(sizeof(detail::block_q4_0));
     for (int j = 0; j < 16; ++j) {
-      sumi += ((int)(blk[2 + j] & 0x0fu) - 8) * (int)qc[j];
-      sumi += ((int)(blk[2 + j] >> 4) - 8) * (int)qc[j + 16];
+      sumi += (static_cast<int>(blk[2 + j] & 0x0fu) - 8) * static_cast<int>(qc[j]);
+      sumi += (static_cast<int>(blk[2 + j] >> 4) - 8) * static_cast<int>(qc[j + 16]);
     }
-    const float dk = detail::f16_bits_to_f32((detail::u16)ld_u16(blk));
-    return detail::mul_rn(detail::mul_rn((float)sumi, dk), dq);
+    const float dk = detail::f16_bits_to_f32(static_cast<detail::u16>(ld_u16(blk)));
+    return detail::mul_rn(detail::mul_rn(static_cast<float>(sumi), dk), dq);
   }
 }
 
@@ -722,8 +744,8 @@ KVQ_HOST_DEVICE void attention_block(kc::attention_args const& a, int bx, int by
   float* l_s = smem + L.l;
   float* c_s = smem + L.corr;
   float* qd_s = smem + L.qd;
-  signed char* qc_s = (signed char*)(smem + L.qcodes);
-  float const* qin = a.q + ((long long)bz * a.q_heads + h0) * hd;
+  signed char* qc_s = reinterpret_cast<signed char*>(smem + L.qcodes);
+  float const* qin = a.q + (static_cast<long long>(bz) * a.q_heads + h0) * hd;
   const int nt = threads.count();
 
   // The query heads of this block: as given, or rounded to q8_0 blocks as q8_0::encode_row and
@@ -733,7 +755,7 @@ KVQ_HOST_DEVICE void attention_block(kc::attention_args const& a, int bx, int by
       for (int w = tid; w < nh * nb; w += nt) {
         const int g = w / nb;
         const int b = w % nb;
-        float const* x = qin + (long long)g * hd;
+        float const* x = qin + static_cast<long long>(g) * hd;
         const int c0 = 32 * b;
         const int n = imin(32, hd - c0);
         float amax = 0.0f;
@@ -749,7 +771,7 @@ KVQ_HOST_DEVICE void attention_block(kc::attention_args const& a, int bx, int by
         qd_s[g * nb + b] = dq;
         for (int j = 0; j < 32; ++j) {
           const int code = (finite && j < n) ? detail::q8_0_code(x[c0 + j], id) : 0;
-          qc_s[(g * nb + b) * 32 + j] = (signed char)code;
+          qc_s[(g * nb + b) * 32 + j] = static_cast<signed char>(code);
           if (j < n) q_s[g * hd + c0 + j] = detail::q8_0_value(code, dq);
         }
       }
@@ -785,7 +807,7 @@ KVQ_HOST_DEVICE void attention_block(kc::attention_args const& a, int bx, int by
         float dot = 0.0f;
         if constexpr (int_keys) {
           if (int_dot) {
-            unsigned char const* row = kreg + (long long)(t0 + i) * kr.unit_bytes;
+            unsigned char const* row = kreg + static_cast<long long>(t0 + i) * kr.unit_bytes;
             for (int b = 0; b < nb; ++b)
               dot = detail::add_rn(dot, block_dot<KC>(row, b, qc_s + (g * nb + b) * 32, qd_s[g * nb + b]));
           }
@@ -850,7 +872,7 @@ KVQ_HOST_DEVICE void attention_block(kc::attention_args const& a, int bx, int by
 
   // The partial state of every head of the block.
   threads.run([&](int tid) {
-    const long long base = (long long)bz * a.splits + bx;
+    const long long base = static_cast<long long>(bz) * a.splits + bx;
     for (int w = tid; w < nh * hd; w += nt) {
       const int g = w / hd;
       a.part_out[(base * a.q_heads + h0 + g) * hd + (w - g * hd)] = o_s[w];
@@ -865,18 +887,18 @@ KVQ_HOST_DEVICE void attention_block(kc::attention_args const& a, int bx, int by
 /// Thread `idx` of combine: threads (batch, q_heads, head_dim). Merges the splits in order as
 /// kvq::combine and normalises as kvq::finalize (heads that attended nothing output 0).
 KVQ_HOST_DEVICE void combine_thread(kc::combine_args const& a, long long idx) {
-  const long long per_seq = (long long)a.q_heads * a.head_dim;
+  const long long per_seq = static_cast<long long>(a.q_heads) * a.head_dim;
   if (idx >= per_seq * a.batch) return;
-  const int b = (int)(idx / per_seq);
-  const long long rem = idx - (long long)b * per_seq;
-  const int h = (int)(rem / a.head_dim);
-  const int c = (int)(rem - (long long)h * a.head_dim);
+  const int b = static_cast<int>(idx / per_seq);
+  const long long rem = idx - static_cast<long long>(b) * per_seq;
+  const int h = static_cast<int>(rem / a.head_dim);
+  const int c = static_cast<int>(rem - static_cast<long long>(h) * a.head_dim);
   const float ninf = neg_inf();
   float m = ninf;
   float l = 0.0f;
   float o = 0.0f;
   for (int s = 0; s < a.splits; ++s) {
-    const long long sh = ((long long)b * a.splits + s) * a.q_heads + h;
+    const long long sh = (static_cast<long long>(b) * a.splits + s) * a.q_heads + h;
     const float mb = a.part_max[sh];
     const float lb = a.part_sum[sh];
     if (mb == ninf && !detail::is_nan_f32(lb)) continue;  // the split attended nothing
@@ -887,7 +909,7 @@ KVQ_HOST_DEVICE void combine_thread(kc::combine_args const& a, long long idx) {
     l = l * ca + lb * cb;
     m = mm;
   }
-  a.out[((long long)b * a.q_heads + h) * a.head_dim + c] = l == 0.0f ? 0.0f : o * (1.0f / l);
+  a.out[(static_cast<long long>(b) * a.q_heads + h) * a.head_dim + c] = l == 0.0f ? 0.0f : o * (1.0f / l);
 }
 
 }  // namespace cuda_detail

@@ -90,6 +90,9 @@ inline float quiet_nan() { return kd::f32_from_bits(0x7fc00000u); }
 /// Rounds a float to f16 and back (round to nearest even; NaN stays NaN).
 inline float round_f16(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits(x)); }
 
+/// Rounds a float to f16 and back as the KIVI residual stores it: finite values saturate to ±65504.
+inline float round_f16_satfinite(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits_satfinite(x)); }
+
 /// Bits of a KIVI codec.
 inline int kivi_bits(int codec) {
   return (codec == kvq_metal_kivi_key2 || codec == kvq_metal_kivi_value2)   ? 2
@@ -127,12 +130,12 @@ inline float row_value(row_ref r, int c) {
     const kd::u16 h = kd::u16(((device const ushort*)r.p)[c]);
     x = r.type == kvq_metal_elem_f16 ? kd::f16_bits_to_f32(h) : kd::bf16_bits_to_f32(h);
   }
-  return r.round != 0 ? round_f16(x) : x;
+  return r.round != 0 ? round_f16_satfinite(x) : x;
 }
 
 /// Batch row i of kv_head h of a write kernel (see kvq_metal_source).
-inline row_ref batch_row(constant kvq_metal_write_args& a, device const uchar* layer, device const uchar* input,
-                         int h, int i) {
+inline row_ref batch_row(constant kvq_metal_write_args& a, device const uchar* layer, device const uchar* input, int h,
+                         int i) {
   row_ref r;
   if (i < a.src.from_residual) {
     const int row = (a.src.residual_first + i) % a.dst.residual_rows;
@@ -318,8 +321,10 @@ inline float decode_row_element(int codec, device const uchar* row, int head_dim
       const int gv = imin(r.group, head_dim);
       const int lane = c % gv;
       device const uchar* blk = row + ulong(c / gv) * ulong(kd::kivi_group_header_bytes + (gv * bits + 7) / 8);
-      const int q = kd::kivi_unpack(kd::u8(blk[kd::kivi_group_header_bytes + kd::kivi_code_byte(lane, bits)]), lane, bits);
-      return kd::kivi_value(q, kd::f16_bits_to_f32(kd::u16(ld_u16(blk))), kd::f16_bits_to_f32(kd::u16(ld_u16(blk + 2))));
+      const int q =
+          kd::kivi_unpack(kd::u8(blk[kd::kivi_group_header_bytes + kd::kivi_code_byte(lane, bits)]), lane, bits);
+      return kd::kivi_value(q, kd::f16_bits_to_f32(kd::u16(ld_u16(blk))),
+                            kd::f16_bits_to_f32(kd::u16(ld_u16(blk + 2))));
     }
   }
 }
@@ -400,7 +405,8 @@ kernel void kvq_encode_key_tiles(constant kvq_metal_write_args& a [[buffer(0)]],
   const int bits = kvq_msl::kivi_bits(kvq_codec);
   device uchar* tile = kvq_msl::region_ptr(layer, a.dst, h) + ulong(a.first + j) * a.dst.unit_bytes;
   kd::kivi_range range = kd::kivi_range_empty();
-  for (int t = 0; t < g; ++t) range = kd::kivi_range_add(range, kvq_msl::row_value(kvq_msl::batch_row(a, layer, input, h, j * g + t), c));
+  for (int t = 0; t < g; ++t)
+    range = kd::kivi_range_add(range, kvq_msl::row_value(kvq_msl::batch_row(a, layer, input, h, j * g + t), c));
   const kd::kivi_header hd = kd::kivi_make_header(range, bits);
   kvq_msl::st_u16(tile + 2 * c, hd.scale);
   kvq_msl::st_u16(tile + 2 * (a.head_dim + c), hd.min);
@@ -432,7 +438,7 @@ kernel void kvq_store_f16_rows(constant kvq_metal_write_args& a [[buffer(0)]], d
   const int row = (a.first + i) % a.dst.residual_rows;
   const float v = kvq_msl::row_value(kvq_msl::batch_row(a, layer, input, h, i), c);
   device ushort* res = (device ushort*)(kvq_msl::region_ptr(layer, a.dst, h) + a.dst.residual_offset);
-  res[ulong(row) * ulong(a.head_dim) + ulong(c)] = ushort(kvq::detail::f32_to_f16_bits(v));
+  res[ulong(row) * ulong(a.head_dim) + ulong(c)] = ushort(kvq::detail::f32_to_f16_bits_satfinite(v));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -444,13 +450,15 @@ kernel void kvq_decode(constant kvq_metal_decode_args& a [[buffer(0)]], device c
   const int c = int(gid.x);
   const int i = int(gid.y);
   if (c >= a.head_dim || i >= a.count) return;
-  const float v = kvq_msl::decode_element(kvq_codec, kvq_msl::region_ptr(layer, a.src, a.head), a.src, a.head_dim,
-                                          a.first + i, c);
+  const float v =
+      kvq_msl::decode_element(kvq_codec, kvq_msl::region_ptr(layer, a.src, a.head), a.src, a.head_dim, a.first + i, c);
   const ulong o = ulong(i) * a.out_stride + ulong(c);
   if (a.out_type == kvq_metal_elem_f32) {
     ((device float*)out)[o] = v;
   } else if (a.out_type == kvq_metal_elem_f16) {
     ((device ushort*)out)[o] = ushort(kvq::detail::f32_to_f16_bits(v));
+  } else if (a.out_type == kvq_metal_elem_f16_sat) {
+    ((device ushort*)out)[o] = ushort(kvq::detail::f32_to_f16_bits_satfinite(v));
   } else {
     ((device ushort*)out)[o] = ushort(kvq::detail::f32_to_bf16_bits(v));
   }
@@ -468,19 +476,14 @@ kernel void kvq_decode(constant kvq_metal_decode_args& a [[buffer(0)]], device c
 /// updates the online softmax (simd_max, simd_sum), and each thread accumulates P·V for its
 /// channels, decoding every value element once for all the heads of the threadgroup.
 /// NaN/Inf as kvq::attend_range: NaN or +Inf logits make the head NaN, -Inf logits weigh 0.
-kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(0)]],
-                                  device const uchar* key_layer [[buffer(1)]],
-                                  device const uchar* value_layer [[buffer(2)]],
-                                  device const float* query [[buffer(3)]], device float* part_out [[buffer(4)]],
-                                  device float* part_max [[buffer(5)]], device float* part_sum [[buffer(6)]],
-                                  threadgroup float* smem KVQ_METAL_THREADGROUP_BUFFER(0),
-                                  uint2 tg [[threadgroup_position_in_grid]],
-                                  uint tid [[thread_index_in_threadgroup]],
-                                  uint threads [[threads_per_threadgroup]],
-                                  uint lane [[thread_index_in_simdgroup]],
-                                  uint sg [[simdgroup_index_in_threadgroup]],
-                                  uint simdgroups [[simdgroups_per_threadgroup]],
-                                  uint width [[threads_per_simdgroup]]) {
+kernel void kvq_attention_partial(
+    constant kvq_metal_attention_args& a [[buffer(0)]], device const uchar* key_layer [[buffer(1)]],
+    device const uchar* value_layer [[buffer(2)]], device const float* query [[buffer(3)]],
+    device float* part_out [[buffer(4)]], device float* part_max [[buffer(5)]], device float* part_sum [[buffer(6)]],
+    threadgroup float* smem KVQ_METAL_THREADGROUP_BUFFER(0), uint2 tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]], uint threads [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]],
+    uint simdgroups [[simdgroups_per_threadgroup]], uint width [[threads_per_simdgroup]]) {
   namespace kd = kvq::detail;
   const int hd = a.head_dim;
   const int group = a.q_heads / a.kv_heads;
@@ -503,15 +506,15 @@ kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(
   const float ninf = kvq_msl::neg_inf();
 
   const kvq_metal_attention_smem L = kvq_metal_attention_layout(hd, T, a.heads, a.query_q8_0);
-  threadgroup float* q_s = smem + L.q;     // (heads, hd)
-  threadgroup float* o_s = smem + L.o;     // (heads, hd)
-  threadgroup float* k_s = smem + L.k;     // (T, hd)
-  threadgroup float* p_s = smem + L.p;     // (heads, T)
-  threadgroup float* w_s = smem + L.w;     // (heads, T)
-  threadgroup float* m_s = smem + L.m;     // (heads)
-  threadgroup float* l_s = smem + L.l;     // (heads)
-  threadgroup float* c_s = smem + L.corr;  // (heads)
-  threadgroup float* qd_s = smem + L.qd;   // (heads, nb)
+  threadgroup float* q_s = smem + L.q;                                // (heads, hd)
+  threadgroup float* o_s = smem + L.o;                                // (heads, hd)
+  threadgroup float* k_s = smem + L.k;                                // (T, hd)
+  threadgroup float* p_s = smem + L.p;                                // (heads, T)
+  threadgroup float* w_s = smem + L.w;                                // (heads, T)
+  threadgroup float* m_s = smem + L.m;                                // (heads)
+  threadgroup float* l_s = smem + L.l;                                // (heads)
+  threadgroup float* c_s = smem + L.corr;                             // (heads)
+  threadgroup float* qd_s = smem + L.qd;                              // (heads, nb)
   threadgroup int8_t* qc_s = (threadgroup int8_t*)(smem + L.qcodes);  // (heads, nb, 32)
   device const uchar* kreg = kvq_msl::region_ptr(key_layer, a.key, kv);
   device const uchar* vreg = kvq_msl::region_ptr(value_layer, a.value, kv);
@@ -553,7 +556,8 @@ kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(
 
     // Keys of the tile, decoded once for all heads.
     if (!int_dot) {
-      for (int w = it; w < n * hd; w += nt) k_s[w] = kvq_msl::decode_element(kcodec, kreg, a.key, hd, t0 + w / hd, w % hd);
+      for (int w = it; w < n * hd; w += nt)
+        k_s[w] = kvq_msl::decode_element(kcodec, kreg, a.key, hd, t0 + w / hd, w % hd);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
 
@@ -640,7 +644,8 @@ kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(
 /// out[h, c] = (merge over splits s, in order, of the partial states) normalised; heads that
 /// attended nothing output 0. The merge is kvq::combine: rescale by exp(m_s - m).
 kernel void kvq_attention_combine(constant kvq_metal_combine_args& a [[buffer(0)]],
-                                  device const float* part_out [[buffer(1)]], device const float* part_max [[buffer(2)]],
+                                  device const float* part_out [[buffer(1)]],
+                                  device const float* part_max [[buffer(2)]],
                                   device const float* part_sum [[buffer(3)]], device float* out [[buffer(4)]],
                                   uint2 gid [[thread_position_in_grid]]) {
   namespace kd = kvq::detail;

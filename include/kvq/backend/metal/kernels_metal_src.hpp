@@ -78,33 +78,57 @@ using namespace metal;
 #  endif
 #endif
 
-// Results may not depend on value-changing optimisations: refuse them outright.
+// kvq's public headers are C++20 (concepts, defaulted comparisons): say so before anything else fails.
+#if defined(__cplusplus) && !defined(__METAL_VERSION__) && !defined(__CUDACC_RTC__)
+#  if defined(_MSVC_LANG) && !defined(__clang__)
+#    define KVQ_CPLUSPLUS _MSVC_LANG
+#  else
+#    define KVQ_CPLUSPLUS __cplusplus
+#  endif
+#  if KVQ_CPLUSPLUS < 202002L
+#    error "kvq requires C++20: compile with -std=c++20 (or /std:c++20); CUDA sources need nvcc -std=c++20"
+#  endif
+#endif
+
+// Results may not depend on value-changing optimisations. GCC and clang announce the ones that
+// change values through macros, and those are refused outright: -ffast-math (__FAST_MATH__),
+// -ffinite-math-only / -fno-honor-nans+infinities (__FINITE_MATH_ONLY__), -fassociative-math
+// (__ASSOCIATIVE_MATH__), -freciprocal-math (__RECIPROCAL_MATH__) and -fno-signed-zeros
+// (__NO_SIGNED_ZEROS__); the last four are what -funsafe-math-optimizations turns on. Clang 14
+// announces only the first two, so under clang kvq's own code is also compiled with precise
+// floating point (#pragma float_control below), which undoes the others for kvq's code.
 #if defined(__FAST_MATH__)
 #  error "kvq: -ffast-math (__FAST_MATH__) changes kvq's numerics; compile kvq users without it"
+#endif
+#if defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__
+#  error \
+      "kvq: -ffinite-math-only (__FINITE_MATH_ONLY__) drops kvq's NaN and Inf semantics; compile kvq users without it"
+#endif
+#if defined(__ASSOCIATIVE_MATH__)
+#  error \
+      "kvq: -fassociative-math (__ASSOCIATIVE_MATH__, part of -funsafe-math-optimizations) changes kvq's numerics; compile kvq users without it"
+#endif
+#if defined(__RECIPROCAL_MATH__)
+#  error \
+      "kvq: -freciprocal-math (__RECIPROCAL_MATH__, part of -funsafe-math-optimizations) changes kvq's numerics; compile kvq users without it"
+#endif
+#if defined(__NO_SIGNED_ZEROS__)
+#  error \
+      "kvq: -fno-signed-zeros (__NO_SIGNED_ZEROS__, part of -funsafe-math-optimizations) changes kvq's stored bytes; compile kvq users without it"
 #endif
 #if defined(__FLT_EVAL_METHOD__) && (__FLT_EVAL_METHOD__ != 0) && !defined(__METAL_VERSION__)
 #  error "kvq: float expressions must be evaluated in float (FLT_EVAL_METHOD 0); x87 excess precision is not supported"
 #endif
 
 // The instruction set the including translation unit is compiled for. Everything kvq defines lives
-// in an inline namespace named after it (kvq::isa_avx512::..., reached as kvq::...), so translation
-// units built with different -m flags never share an inline function: no ODR clash, and no
-// AVX-512 code reached from a TU that was built for AVX2.
+// in an inline namespace named after it (kvq::isa_avx512_vnni_..., reached as kvq::...), so
+// translation units built with different -m flags never share an inline function: no ODR clash,
+// and no AVX-512 code reached from a TU that was built for AVX2. The level picks the kernels; the
+// tag (detail/isa_tag.h) adds every other instruction-set extension the compiler was allowed.
 #if defined(__METAL_VERSION__) || defined(__CUDA_ARCH__)
 #  define KVQ_ISA_NAME device
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
-    defined(__AVX512BF16__)
-#  define KVQ_ISA_NAME avx512_vnni_bf16
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#  define KVQ_ISA_NAME avx512_vnni
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#  define KVQ_ISA_NAME avx512
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#  define KVQ_ISA_NAME avx2
-#elif defined(__aarch64__) && defined(__ARM_NEON)
-#  define KVQ_ISA_NAME neon
 #else
-#  define KVQ_ISA_NAME scalar
+#line 86 "kvq/detail/config.h"
 #endif
 #define KVQ_PP_CAT_(a, b) a##b
 #define KVQ_PP_CAT(a, b) KVQ_PP_CAT_(a, b)
@@ -112,12 +136,24 @@ using namespace metal;
 #  define KVQ_NAMESPACE_BEGIN namespace kvq {
 #  define KVQ_NAMESPACE_END }
 #else
+#  if defined(__clang__)
+// Under clang, kvq's own code is compiled with precise floating point whatever the consumer's
+// flags (-funsafe-math-optimizations, -fno-honor-nans, -freciprocal-math, ... are not announced
+// by clang 14), and without FMA contraction, so its results equal those of any other build.
+#    define KVQ_FP_PRECISE_BEGIN _Pragma("float_control(precise, on, push)") _Pragma("clang fp contract(off)")
+#    define KVQ_FP_PRECISE_END _Pragma("float_control(pop)")
+#  else
+#    define KVQ_FP_PRECISE_BEGIN
+#    define KVQ_FP_PRECISE_END
+#  endif
 #  define KVQ_NAMESPACE_BEGIN \
+    KVQ_FP_PRECISE_BEGIN      \
     namespace kvq {           \
     inline namespace KVQ_PP_CAT(isa_, KVQ_ISA_NAME) {
 #  define KVQ_NAMESPACE_END \
     }                       \
-    }
+    }                       \
+    KVQ_FP_PRECISE_END
 #endif
 
 #if defined(__CUDACC__)
@@ -216,6 +252,21 @@ KVQ_HOST_DEVICE float add_rn(float a, float b) {
 #endif
 }
 
+/// Returns a * b + c: fused (one rounding) where the target has a fused multiply-add, else the
+/// product rounded and then the sum; never left to the compiler's contraction flags, so a build
+/// gives the same result with -ffp-contract=off and =fast.
+KVQ_HOST_DEVICE float madd_f32(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#elif defined(__METAL_VERSION__)
+  return fma(a, b, c);
+#elif defined(__GNUC__) && (defined(__FP_FAST_FMAF) || defined(__FMA__) || defined(__ARM_FEATURE_FMA))
+  return __builtin_fmaf(a, b, c);
+#else
+  return fp_barrier(a * b) + c;
+#endif
+}
+
 /// Returns fl32(a / b), correctly rounded.
 KVQ_HOST_DEVICE float div_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -240,16 +291,16 @@ KVQ_HOST_DEVICE float abs_f32(float x) { return f32_from_bits(f32_bits(x) & 0x7f
 KVQ_HOST_DEVICE float round_half_even(float x) {
   const u32 u = f32_bits(x);
   const u32 a = u & 0x7fffffffu;
-  if (a >= 0x4b000000u) return x;  // |x| >= 2^23: already an integer
+  if (a >= 0x4b000000u) return x;                              // |x| >= 2^23: already an integer
   if (a < 0x3f000000u) return f32_from_bits(u & 0x80000000u);  // |x| < 0.5: signed zero
-  const int e = (int)(a >> 23) - 127;                           // -1 .. 22
-  const u32 m = (a & 0x007fffffu) | 0x00800000u;                // 24-bit significand
-  const int shift = 23 - e;                                     // 1 .. 24 fractional bits
+  const int e = static_cast<int>(a >> 23) - 127;               // -1 .. 22
+  const u32 m = (a & 0x007fffffu) | 0x00800000u;               // 24-bit significand
+  const int shift = 23 - e;                                    // 1 .. 24 fractional bits
   u32 q = m >> shift;
   const u32 rem = m & ((1u << shift) - 1u);
   const u32 half = 1u << (shift - 1);
   if (rem > half || (rem == half && (q & 1u))) ++q;
-  const float r = (float)(int)q;
+  const float r = static_cast<float>(static_cast<int>(q));
   return (u & 0x80000000u) ? -r : r;
 }
 
@@ -260,14 +311,15 @@ KVQ_HOST_DEVICE float round_half_away(float x) {
   const u32 u = f32_bits(x);
   const u32 a = u & 0x7fffffffu;
   if (a >= 0x4b000000u) return x;
-  if (a < 0x3f000000u) return f32_from_bits(u & 0x80000000u);
-  const int e = (int)(a >> 23) - 127;
+)kvq_msl",
+    R"kvq_msl(  if (a < 0x3f000000u) return f32_from_bits(u & 0x80000000u);
+  const int e = static_cast<int>(a >> 23) - 127;
   const u32 m = (a & 0x007fffffu) | 0x00800000u;
   const int shift = 23 - e;
   u32 q = m >> shift;
   const u32 rem = m & ((1u << shift) - 1u);
   if (rem >= (1u << (shift - 1))) ++q;
-  const float r = (float)(int)q;
+  const float r = static_cast<float>(static_cast<int>(q));
   return (u & 0x80000000u) ? -r : r;
 }
 
@@ -330,8 +382,7 @@ namespace detail {
 
 /// Largest finite E4M3FN magnitude code (448).
 KVQ_CONSTEXPR_VAR u8 e4m3_max_code = 0x7eu;
-)kvq_msl",
-    R"kvq_msl(/// Largest finite E5M2 magnitude code (57344).
+/// Largest finite E5M2 magnitude code (57344).
 KVQ_CONSTEXPR_VAR u8 e5m2_max_code = 0x7bu;
 /// The fp8 code every NaN input encodes to, in both formats and both modes.
 KVQ_CONSTEXPR_VAR u8 fp8_nan_code = 0x7fu;
@@ -365,7 +416,7 @@ KVQ_HOST_DEVICE u8 fp8_from_f32_bits(u32 u, u32 mbits, u32 bias, u32 max_mag, u3
     }
   }
   if (mag > max_mag) mag = saturate ? max_mag : overflow_mag;
-  return (u8)(sign | mag);
+  return static_cast<u8>(sign | mag);
 }
 
 /// Converts a float to E4M3FN, RNE; overflow and ±Inf give ±448 (saturate) or 0x7f|sign; NaN gives 0x7f.
@@ -387,7 +438,7 @@ KVQ_HOST_DEVICE u32 fp8_subnormal_f32_bits(u32 m, u32 mbits, u32 bias) {
 
 /// Returns the exact value of an E4M3FN code (0x7f and 0xff are NaN).
 KVQ_HOST_DEVICE float e4m3_to_f32(u8 code) {
-  const u32 c = (u32)code;
+  const u32 c = static_cast<u32>(code);
   const u32 sign = (c & 0x80u) << 24;
   const u32 e = (c >> 3) & 0x0fu;
   const u32 m = c & 0x07u;
@@ -399,7 +450,7 @@ KVQ_HOST_DEVICE float e4m3_to_f32(u8 code) {
 
 /// Returns the exact value of an E5M2 code (0x7c is +Inf, 0xfc is -Inf, 0x7d..0x7f and 0xfd..0xff are NaN).
 KVQ_HOST_DEVICE float e5m2_to_f32(u8 code) {
-  const u32 c = (u32)code;
+  const u32 c = static_cast<u32>(code);
   const u32 sign = (c & 0x80u) << 24;
   const u32 e = (c >> 2) & 0x1fu;
   const u32 m = c & 0x03u;
@@ -471,13 +522,13 @@ KVQ_HOST_DEVICE u16 f32_to_f16_bits(float x) {
   const u32 u = f32_bits(x);
   const u32 sign = (u >> 16) & 0x8000u;
   const u32 a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (u16)(sign | 0x7e00u | ((a >> 13) & 0x03ffu));  // NaN, quieted
-  if (a >= 0x477ff000u) return (u16)(sign | 0x7c00u);  // >= 65520 (incl. Inf) -> Inf
-  if (a >= 0x38800000u) {                               // normal binary16 range (>= 2^-14)
-    const u32 r = a - 0x38000000u;                      // rebias exponent 127 -> 15
-    return (u16)(sign | ((r + 0x0fffu + ((r >> 13) & 1u)) >> 13));
+  if (a > 0x7f800000u) return static_cast<u16>(sign | 0x7e00u | ((a >> 13) & 0x03ffu));  // NaN, quieted
+  if (a >= 0x477ff000u) return static_cast<u16>(sign | 0x7c00u);                         // >= 65520 (incl. Inf) -> Inf
+  if (a >= 0x38800000u) {           // normal binary16 range (>= 2^-14)
+    const u32 r = a - 0x38000000u;  // rebias exponent 127 -> 15
+    return static_cast<u16>(sign | ((r + 0x0fffu + ((r >> 13) & 1u)) >> 13));
   }
-  if (a < 0x33000000u) return (u16)sign;  // <= 2^-25 (half the min subnormal, a tie to 0)
+  if (a < 0x33000000u) return static_cast<u16>(sign);  // <= 2^-25 (half the min subnormal, a tie to 0)
   // binary16 subnormal: value = m * 2^(e - 150), quantum 2^-24 -> shift right by 126 - e.
   const u32 e = a >> 23;
   const u32 m = (a & 0x007fffffu) | 0x00800000u;
@@ -486,14 +537,14 @@ KVQ_HOST_DEVICE u16 f32_to_f16_bits(float x) {
   const u32 rem = m & ((1u << shift) - 1u);
   const u32 half = 1u << (shift - 1u);
   if (rem > half || (rem == half && (q & 1u))) ++q;
-  return (u16)(sign | q);
+  return static_cast<u16>(sign | q);
 }
 
 /// Converts binary16 bits to the exactly equal float.
 KVQ_HOST_DEVICE float f16_bits_to_f32(u16 h) {
-  const u32 sign = ((u32)h & 0x8000u) << 16;
-  const u32 e = ((u32)h >> 10) & 0x1fu;
-  u32 m = (u32)h & 0x03ffu;
+  const u32 sign = (static_cast<u32>(h) & 0x8000u) << 16;
+  const u32 e = (static_cast<u32>(h) >> 10) & 0x1fu;
+  u32 m = static_cast<u32>(h) & 0x03ffu;
   if (e == 0x1fu) return f32_from_bits(sign | 0x7f800000u | (m << 13));  // Inf / NaN
   if (e != 0u) return f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
   if (m == 0u) return f32_from_bits(sign);
@@ -509,19 +560,25 @@ KVQ_HOST_DEVICE float f16_bits_to_f32(u16 h) {
 /// Converts a float to bfloat16 bits, round to nearest even.
 KVQ_HOST_DEVICE u16 f32_to_bf16_bits(float x) {
   const u32 u = f32_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x0040u);  // NaN, quieted
-  return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<u16>((u >> 16) | 0x0040u);  // NaN, quieted
+  return static_cast<u16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /// Converts bfloat16 bits to the exactly equal float.
-KVQ_HOST_DEVICE float bf16_bits_to_f32(u16 b) { return f32_from_bits((u32)b << 16); }
+KVQ_HOST_DEVICE float bf16_bits_to_f32(u16 b) { return f32_from_bits(static_cast<u32>(b) << 16); }
 
 /// Converts a float to binary16 bits, round to nearest even, saturating to ±65504 instead of
 /// overflowing to Inf (NaN stays NaN).
 KVQ_HOST_DEVICE u16 f32_to_f16_bits_sat(float x) {
   const u16 h = f32_to_f16_bits(x);
-  if ((h & 0x7fffu) == 0x7c00u) return (u16)((h & 0x8000u) | 0x7bffu);
+  if ((h & 0x7fffu) == 0x7c00u) return static_cast<u16>((h & 0x8000u) | 0x7bffu);
   return h;
+}
+
+/// Converts a float to binary16 bits, round to nearest even, finite values saturating to ±65504
+/// (±Inf and NaN are kept): how every cache stores values in the KIVI f16 residual and window.
+KVQ_HOST_DEVICE u16 f32_to_f16_bits_satfinite(float x) {
+  return is_finite_f32(x) ? f32_to_f16_bits_sat(x) : f32_to_f16_bits(x);
 }
 
 }  // namespace detail
@@ -533,7 +590,8 @@ KVQ_HOST_DEVICE f16 to_f16(float x) {
   return r;
 }
 
-/// Rounds a float to the nearest bf16 (ties to even).
+)kvq_msl",
+    R"kvq_msl(/// Rounds a float to the nearest bf16 (ties to even).
 KVQ_HOST_DEVICE bf16 to_bf16(float x) {
   bf16 r;
   r.bits = detail::f32_to_bf16_bits(x);
@@ -569,7 +627,7 @@ KVQ_HOST_DEVICE float ggml_inverse_scale(float d) {
 KVQ_HOST_DEVICE float q8_0_scale(float amax) { return div_rn(amax, 127.0f); }
 
 /// q8_0 code of x: roundf(x * id), ties away from zero.
-KVQ_HOST_DEVICE int q8_0_code(float x, float id) { return (int)round_half_away(mul_rn(x, id)); }
+KVQ_HOST_DEVICE int q8_0_code(float x, float id) { return static_cast<int>(round_half_away(mul_rn(x, id))); }
 
 /// q4_0 scale from the signed element of largest magnitude: d = max / -8.
 KVQ_HOST_DEVICE float q4_0_scale(float signed_max) { return div_rn(signed_max, -8.0f); }
@@ -577,15 +635,15 @@ KVQ_HOST_DEVICE float q4_0_scale(float signed_max) { return div_rn(signed_max, -
 /// q4_0 code of x: min(15, trunc(fl32(x * id) + 8.5)), so code-domain ties round up.
 KVQ_HOST_DEVICE int q4_0_code(float x, float id) {
   const float t = add_rn(mul_rn(x, id), 8.5f);
-  const int c = (int)t;  // t >= 0.5 for every finite x of the block: truncation is floor
+  const int c = static_cast<int>(t);  // t >= 0.5 for every finite x of the block: truncation is floor
   return c < 15 ? c : 15;
 }
 
 /// Decoded value of a q8_0 code: code * d.
-KVQ_HOST_DEVICE float q8_0_value(int code, float d) { return (float)code * d; }
+KVQ_HOST_DEVICE float q8_0_value(int code, float d) { return static_cast<float>(code) * d; }
 
 /// Decoded value of a q4_0 nibble: (nibble - 8) * d.
-KVQ_HOST_DEVICE float q4_0_value(int nibble, float d) { return (float)(nibble - 8) * d; }
+KVQ_HOST_DEVICE float q4_0_value(int nibble, float d) { return static_cast<float>(nibble - 8) * d; }
 
 }  // namespace detail
 KVQ_NAMESPACE_END
@@ -616,12 +674,11 @@ KVQ_HOST_DEVICE float int8_scale(float amax) { return div_rn(amax, 127.0f); }
 KVQ_HOST_DEVICE int int8_code(float x, float scale) {
   float q = div_rn(x, scale);
   q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-  return (int)round_half_even(q);
+  return static_cast<int>(round_half_even(q));
 }
 
-)kvq_msl",
-    R"kvq_msl(/// Decoded value of an int8 code: q * scale.
-KVQ_HOST_DEVICE float int8_value(int q, float scale) { return (float)q * scale; }
+/// Decoded value of an int8 code: q * scale.
+KVQ_HOST_DEVICE float int8_value(int q, float scale) { return static_cast<float>(q) * scale; }
 
 }  // namespace detail
 KVQ_NAMESPACE_END
@@ -706,7 +763,7 @@ KVQ_HOST_DEVICE kivi_header kivi_make_header(kivi_range r, int bits) {
   }
   const float mn = kivi_plus_zero(r.mn);
   const float mx = kivi_plus_zero(r.mx);
-  const float scale = div_rn(mx - mn, (float)kivi_max_code(bits));
+  const float scale = div_rn(mx - mn, static_cast<float>(kivi_max_code(bits)));
   h.scale = f32_to_f16_bits_sat(scale);
   h.min = f32_to_f16_bits_sat(mn);
   return h;
@@ -719,14 +776,14 @@ KVQ_HOST_DEVICE bool kivi_is_poisoned(kivi_header h) { return is_nan_f32(f16_bit
 /// clamp(round_half_even(div_rn(x - m, s)), 0, 2^b - 1), or 0 when s == 0.
 KVQ_HOST_DEVICE int kivi_code(float x, float s, float m, int bits) {
   if (!(s > 0.0f)) return 0;  // s == 0, or a poisoned (NaN) scale
-  const float top = (float)kivi_max_code(bits);
+  const float top = static_cast<float>(kivi_max_code(bits));
   float t = div_rn(x - m, s);
   t = t > top ? top : (t < 0.0f ? 0.0f : t);
-  return (int)round_half_even(t);
+  return static_cast<int>(round_half_even(t));
 }
 
 /// Decoded value of a code: add_rn(mul_rn(q, s), m).
-KVQ_HOST_DEVICE float kivi_value(int q, float s, float m) { return add_rn(mul_rn((float)q, s), m); }
+KVQ_HOST_DEVICE float kivi_value(int q, float s, float m) { return add_rn(mul_rn(static_cast<float>(q), s), m); }
 
 /// Index of the byte holding element i of a packed b-bit run.
 KVQ_HOST_DEVICE int kivi_code_byte(int i, int bits) { return (i * bits) >> 3; }
@@ -736,12 +793,12 @@ KVQ_HOST_DEVICE int kivi_code_shift(int i, int bits) { return (i * bits) & 7; }
 
 /// Extracts element i of a packed b-bit run from the byte that holds it.
 KVQ_HOST_DEVICE int kivi_unpack(u8 byte, int i, int bits) {
-  return ((int)byte >> kivi_code_shift(i, bits)) & kivi_max_code(bits);
+  return (static_cast<int>(byte) >> kivi_code_shift(i, bits)) & kivi_max_code(bits);
 }
 
 /// Returns `byte` with element i's code (0 .. 2^b - 1) OR-ed into its bits.
 KVQ_HOST_DEVICE u8 kivi_pack(u8 byte, int code, int i, int bits) {
-  return (u8)((int)byte | (code << kivi_code_shift(i, bits)));
+  return static_cast<u8>(static_cast<int>(byte) | (code << kivi_code_shift(i, bits)));
 }
 
 }  // namespace detail
@@ -792,6 +849,7 @@ enum kvq_metal_elem : int32_t {
   kvq_metal_elem_f32 = 0,
   kvq_metal_elem_f16 = 1,
   kvq_metal_elem_bf16 = 2,
+  kvq_metal_elem_f16_sat = 3,  ///< output only: f16 with finite values saturating to ±65504 (the KIVI residual)
 };
 
 /// Where the keys (or values) of one layer live in the layer's buffer, and how they are encoded.
@@ -810,7 +868,8 @@ struct kvq_metal_region {
   int32_t quantized;         ///< tokens [0, quantized) are encoded units
   int32_t residual_rows;     ///< rows of the residual buffer (>= 1; the ring modulus)
   int32_t residual_first;    ///< residual row of token `quantized`
-  float fp8_scale;           ///< fp8 codecs: code = fp8(x / scale), value = fp8 * scale
+)kvq_msl",
+    R"kvq_msl(  float fp8_scale;           ///< fp8 codecs: code = fp8(x / scale), value = fp8 * scale
   int32_t fp8_saturate;      ///< fp8 codecs: 1 saturates overflow to ±max finite, 0 does not
   int32_t reserved;
 };
@@ -879,22 +938,20 @@ struct kvq_metal_attention_args {
   kvq_metal_region value;
   int32_t head_dim;
   int32_t kv_heads;
-)kvq_msl",
-    R"kvq_msl(  int32_t q_heads;
+  int32_t q_heads;
   int32_t begin;
   int32_t end;
   int32_t split_tokens;  ///< tokens per split (a multiple of tile)
   int32_t splits;
-  int32_t tile;          ///< tokens decoded per step (<= 32)
-  int32_t heads;         ///< query heads per threadgroup
-  int32_t chunks;        ///< threadgroups per kv_head along the query heads
-  float scale;           ///< softmax scale (already resolved: never 0)
-  float softcap;         ///< > 0: logit = softcap * tanh(logit / softcap)
-  int32_t query_q8_0;    ///< 1: the query is rounded to q8_0 (integer dots for q8_0/q4_0 keys)
-  int32_t probs_f16;     ///< 1: probabilities are rounded to f16 before they multiply V
+  int32_t tile;        ///< tokens decoded per step (<= 32)
+  int32_t heads;       ///< query heads per threadgroup
+  int32_t chunks;      ///< threadgroups per kv_head along the query heads
+  float scale;         ///< softmax scale (already resolved: never 0)
+  float softcap;       ///< > 0: logit = softcap * tanh(logit / softcap)
+  int32_t query_q8_0;  ///< 1: the query is rounded to q8_0 (integer dots for q8_0/q4_0 keys)
+  int32_t probs_f16;   ///< 1: probabilities are rounded to f16 before they multiply V
 };
-static_assert(sizeof(kvq_metal_attention_args) == 168,
-              "kvq_metal_attention_args must be 168 bytes on host and device");
+static_assert(sizeof(kvq_metal_attention_args) == 168, "kvq_metal_attention_args must be 168 bytes on host and device");
 
 /// Arguments of kvq_attention_combine: merges `splits` partial states per query head in split
 /// order and writes the normalised output (q_heads, head_dim). Grid (head_dim, q_heads).
@@ -925,16 +982,16 @@ struct kvq_metal_attention_smem {
 /// and query precision.
 inline kvq_metal_attention_smem kvq_metal_attention_layout(int32_t head_dim, int32_t tile, int32_t heads,
                                                            int32_t query_q8_0) {
-  const uint32_t d = (uint32_t)head_dim;
-  const uint32_t h = (uint32_t)heads;
+  const uint32_t d = static_cast<uint32_t>(head_dim);
+  const uint32_t h = static_cast<uint32_t>(heads);
   const uint32_t blocks = (d + 31u) / 32u;
   kvq_metal_attention_smem s;
   s.q = 0u;
   s.o = s.q + h * d;
   s.k = s.o + h * d;
-  s.p = s.k + (uint32_t)tile * d;
-  s.w = s.p + h * (uint32_t)tile;
-  s.m = s.w + h * (uint32_t)tile;
+  s.p = s.k + static_cast<uint32_t>(tile) * d;
+  s.w = s.p + h * static_cast<uint32_t>(tile);
+  s.m = s.w + h * static_cast<uint32_t>(tile);
   s.l = s.m + h;
   s.corr = s.l + h;
   s.qd = s.corr + h;
@@ -944,7 +1001,7 @@ inline kvq_metal_attention_smem kvq_metal_attention_layout(int32_t head_dim, int
   return s;
 }
 
-#line 631 "kvq/backend/metal/kvq_metal_args.h"
+#line 634 "kvq/backend/metal/kvq_metal_args.h"
 #line 42 "kvq/backend/metal/kernels.metal"
 
 #if !defined(KVQ_METAL_FUNCTION_CONSTANT)
@@ -997,6 +1054,9 @@ inline float quiet_nan() { return kd::f32_from_bits(0x7fc00000u); }
 /// Rounds a float to f16 and back (round to nearest even; NaN stays NaN).
 inline float round_f16(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits(x)); }
 
+/// Rounds a float to f16 and back as the KIVI residual stores it: finite values saturate to ±65504.
+inline float round_f16_satfinite(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits_satfinite(x)); }
+
 /// Bits of a KIVI codec.
 inline int kivi_bits(int codec) {
   return (codec == kvq_metal_kivi_key2 || codec == kvq_metal_kivi_value2)   ? 2
@@ -1034,12 +1094,12 @@ inline float row_value(row_ref r, int c) {
     const kd::u16 h = kd::u16(((device const ushort*)r.p)[c]);
     x = r.type == kvq_metal_elem_f16 ? kd::f16_bits_to_f32(h) : kd::bf16_bits_to_f32(h);
   }
-  return r.round != 0 ? round_f16(x) : x;
+  return r.round != 0 ? round_f16_satfinite(x) : x;
 }
 
 /// Batch row i of kv_head h of a write kernel (see kvq_metal_source).
-inline row_ref batch_row(constant kvq_metal_write_args& a, device const uchar* layer, device const uchar* input,
-                         int h, int i) {
+inline row_ref batch_row(constant kvq_metal_write_args& a, device const uchar* layer, device const uchar* input, int h,
+                         int i) {
   row_ref r;
   if (i < a.src.from_residual) {
     const int row = (a.src.residual_first + i) % a.dst.residual_rows;
@@ -1076,7 +1136,8 @@ inline float q8_0_block_scale(row_ref x, int c0, int n, thread bool& finite) {
 /// Encodes block b of a row as ggml block_q8_0 (34 bytes at blk); lanes past head_dim are padding.
 inline void encode_q8_0(row_ref x, int head_dim, int b, device uchar* blk) {
   const int c0 = 32 * b;
-  const int n = imin(32, head_dim - c0);
+)kvq_msl",
+    R"kvq_msl(  const int n = imin(32, head_dim - c0);
   bool finite = true;
   const float d = q8_0_block_scale(x, c0, n, finite);
   if (!finite) {
@@ -1171,8 +1232,7 @@ inline void encode_block(int codec, row_ref x, int head_dim, int b, constant kvq
       ((device uint*)row)[b] = kd::f32_bits(row_value(x, b));
       break;
     case kvq_metal_f16:
-)kvq_msl",
-    R"kvq_msl(      ((device ushort*)row)[b] = ushort(kd::f32_to_f16_bits(row_value(x, b)));
+      ((device ushort*)row)[b] = ushort(kd::f32_to_f16_bits(row_value(x, b)));
       break;
     case kvq_metal_q8_0:
       encode_q8_0(x, head_dim, b, row + ulong(b) * sizeof(kd::block_q8_0));
@@ -1226,8 +1286,10 @@ inline float decode_row_element(int codec, device const uchar* row, int head_dim
       const int gv = imin(r.group, head_dim);
       const int lane = c % gv;
       device const uchar* blk = row + ulong(c / gv) * ulong(kd::kivi_group_header_bytes + (gv * bits + 7) / 8);
-      const int q = kd::kivi_unpack(kd::u8(blk[kd::kivi_group_header_bytes + kd::kivi_code_byte(lane, bits)]), lane, bits);
-      return kd::kivi_value(q, kd::f16_bits_to_f32(kd::u16(ld_u16(blk))), kd::f16_bits_to_f32(kd::u16(ld_u16(blk + 2))));
+      const int q =
+          kd::kivi_unpack(kd::u8(blk[kd::kivi_group_header_bytes + kd::kivi_code_byte(lane, bits)]), lane, bits);
+      return kd::kivi_value(q, kd::f16_bits_to_f32(kd::u16(ld_u16(blk))),
+                            kd::f16_bits_to_f32(kd::u16(ld_u16(blk + 2))));
     }
   }
 }
@@ -1308,7 +1370,8 @@ kernel void kvq_encode_key_tiles(constant kvq_metal_write_args& a [[buffer(0)]],
   const int bits = kvq_msl::kivi_bits(kvq_codec);
   device uchar* tile = kvq_msl::region_ptr(layer, a.dst, h) + ulong(a.first + j) * a.dst.unit_bytes;
   kd::kivi_range range = kd::kivi_range_empty();
-  for (int t = 0; t < g; ++t) range = kd::kivi_range_add(range, kvq_msl::row_value(kvq_msl::batch_row(a, layer, input, h, j * g + t), c));
+  for (int t = 0; t < g; ++t)
+    range = kd::kivi_range_add(range, kvq_msl::row_value(kvq_msl::batch_row(a, layer, input, h, j * g + t), c));
   const kd::kivi_header hd = kd::kivi_make_header(range, bits);
   kvq_msl::st_u16(tile + 2 * c, hd.scale);
   kvq_msl::st_u16(tile + 2 * (a.head_dim + c), hd.min);
@@ -1338,9 +1401,10 @@ kernel void kvq_store_f16_rows(constant kvq_metal_write_args& a [[buffer(0)]], d
   const int h = r / a.count;
   const int i = r % a.count;
   const int row = (a.first + i) % a.dst.residual_rows;
-  const float v = kvq_msl::row_value(kvq_msl::batch_row(a, layer, input, h, i), c);
+)kvq_msl",
+    R"kvq_msl(  const float v = kvq_msl::row_value(kvq_msl::batch_row(a, layer, input, h, i), c);
   device ushort* res = (device ushort*)(kvq_msl::region_ptr(layer, a.dst, h) + a.dst.residual_offset);
-  res[ulong(row) * ulong(a.head_dim) + ulong(c)] = ushort(kvq::detail::f32_to_f16_bits(v));
+  res[ulong(row) * ulong(a.head_dim) + ulong(c)] = ushort(kvq::detail::f32_to_f16_bits_satfinite(v));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1352,13 +1416,15 @@ kernel void kvq_decode(constant kvq_metal_decode_args& a [[buffer(0)]], device c
   const int c = int(gid.x);
   const int i = int(gid.y);
   if (c >= a.head_dim || i >= a.count) return;
-  const float v = kvq_msl::decode_element(kvq_codec, kvq_msl::region_ptr(layer, a.src, a.head), a.src, a.head_dim,
-                                          a.first + i, c);
+  const float v =
+      kvq_msl::decode_element(kvq_codec, kvq_msl::region_ptr(layer, a.src, a.head), a.src, a.head_dim, a.first + i, c);
   const ulong o = ulong(i) * a.out_stride + ulong(c);
   if (a.out_type == kvq_metal_elem_f32) {
     ((device float*)out)[o] = v;
   } else if (a.out_type == kvq_metal_elem_f16) {
     ((device ushort*)out)[o] = ushort(kvq::detail::f32_to_f16_bits(v));
+  } else if (a.out_type == kvq_metal_elem_f16_sat) {
+    ((device ushort*)out)[o] = ushort(kvq::detail::f32_to_f16_bits_satfinite(v));
   } else {
     ((device ushort*)out)[o] = ushort(kvq::detail::f32_to_bf16_bits(v));
   }
@@ -1376,19 +1442,14 @@ kernel void kvq_decode(constant kvq_metal_decode_args& a [[buffer(0)]], device c
 /// updates the online softmax (simd_max, simd_sum), and each thread accumulates P·V for its
 /// channels, decoding every value element once for all the heads of the threadgroup.
 /// NaN/Inf as kvq::attend_range: NaN or +Inf logits make the head NaN, -Inf logits weigh 0.
-kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(0)]],
-                                  device const uchar* key_layer [[buffer(1)]],
-                                  device const uchar* value_layer [[buffer(2)]],
-                                  device const float* query [[buffer(3)]], device float* part_out [[buffer(4)]],
-                                  device float* part_max [[buffer(5)]], device float* part_sum [[buffer(6)]],
-                                  threadgroup float* smem KVQ_METAL_THREADGROUP_BUFFER(0),
-                                  uint2 tg [[threadgroup_position_in_grid]],
-                                  uint tid [[thread_index_in_threadgroup]],
-                                  uint threads [[threads_per_threadgroup]],
-                                  uint lane [[thread_index_in_simdgroup]],
-                                  uint sg [[simdgroup_index_in_threadgroup]],
-                                  uint simdgroups [[simdgroups_per_threadgroup]],
-                                  uint width [[threads_per_simdgroup]]) {
+kernel void kvq_attention_partial(
+    constant kvq_metal_attention_args& a [[buffer(0)]], device const uchar* key_layer [[buffer(1)]],
+    device const uchar* value_layer [[buffer(2)]], device const float* query [[buffer(3)]],
+    device float* part_out [[buffer(4)]], device float* part_max [[buffer(5)]], device float* part_sum [[buffer(6)]],
+    threadgroup float* smem KVQ_METAL_THREADGROUP_BUFFER(0), uint2 tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]], uint threads [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]],
+    uint simdgroups [[simdgroups_per_threadgroup]], uint width [[threads_per_simdgroup]]) {
   namespace kd = kvq::detail;
   const int hd = a.head_dim;
   const int group = a.q_heads / a.kv_heads;
@@ -1403,8 +1464,7 @@ kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(
   const int nb = (hd + 31) / 32;
   const int it = int(tid);
   const int nt = int(threads);
-)kvq_msl",
-    R"kvq_msl(  const int il = int(lane);
+  const int il = int(lane);
   const int nw = int(width);
   const int kcodec = kvq_codec;
   const int vcodec = kvq_value_codec;
@@ -1412,15 +1472,15 @@ kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(
   const float ninf = kvq_msl::neg_inf();
 
   const kvq_metal_attention_smem L = kvq_metal_attention_layout(hd, T, a.heads, a.query_q8_0);
-  threadgroup float* q_s = smem + L.q;     // (heads, hd)
-  threadgroup float* o_s = smem + L.o;     // (heads, hd)
-  threadgroup float* k_s = smem + L.k;     // (T, hd)
-  threadgroup float* p_s = smem + L.p;     // (heads, T)
-  threadgroup float* w_s = smem + L.w;     // (heads, T)
-  threadgroup float* m_s = smem + L.m;     // (heads)
-  threadgroup float* l_s = smem + L.l;     // (heads)
-  threadgroup float* c_s = smem + L.corr;  // (heads)
-  threadgroup float* qd_s = smem + L.qd;   // (heads, nb)
+  threadgroup float* q_s = smem + L.q;                                // (heads, hd)
+  threadgroup float* o_s = smem + L.o;                                // (heads, hd)
+  threadgroup float* k_s = smem + L.k;                                // (T, hd)
+  threadgroup float* p_s = smem + L.p;                                // (heads, T)
+  threadgroup float* w_s = smem + L.w;                                // (heads, T)
+  threadgroup float* m_s = smem + L.m;                                // (heads)
+  threadgroup float* l_s = smem + L.l;                                // (heads)
+  threadgroup float* c_s = smem + L.corr;                             // (heads)
+  threadgroup float* qd_s = smem + L.qd;                              // (heads, nb)
   threadgroup int8_t* qc_s = (threadgroup int8_t*)(smem + L.qcodes);  // (heads, nb, 32)
   device const uchar* kreg = kvq_msl::region_ptr(key_layer, a.key, kv);
   device const uchar* vreg = kvq_msl::region_ptr(value_layer, a.value, kv);
@@ -1462,7 +1522,8 @@ kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(
 
     // Keys of the tile, decoded once for all heads.
     if (!int_dot) {
-      for (int w = it; w < n * hd; w += nt) k_s[w] = kvq_msl::decode_element(kcodec, kreg, a.key, hd, t0 + w / hd, w % hd);
+      for (int w = it; w < n * hd; w += nt)
+        k_s[w] = kvq_msl::decode_element(kcodec, kreg, a.key, hd, t0 + w / hd, w % hd);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
 
@@ -1549,7 +1610,8 @@ kernel void kvq_attention_partial(constant kvq_metal_attention_args& a [[buffer(
 /// out[h, c] = (merge over splits s, in order, of the partial states) normalised; heads that
 /// attended nothing output 0. The merge is kvq::combine: rescale by exp(m_s - m).
 kernel void kvq_attention_combine(constant kvq_metal_combine_args& a [[buffer(0)]],
-                                  device const float* part_out [[buffer(1)]], device const float* part_max [[buffer(2)]],
+                                  device const float* part_out [[buffer(1)]],
+                                  device const float* part_max [[buffer(2)]],
                                   device const float* part_sum [[buffer(3)]], device float* out [[buffer(4)]],
                                   uint2 gid [[thread_position_in_grid]]) {
   namespace kd = kvq::detail;

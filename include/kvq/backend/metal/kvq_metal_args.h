@@ -41,6 +41,7 @@ enum kvq_metal_elem : int32_t {
   kvq_metal_elem_f32 = 0,
   kvq_metal_elem_f16 = 1,
   kvq_metal_elem_bf16 = 2,
+  kvq_metal_elem_f16_sat = 3,  ///< output only: f16 with finite values saturating to ±65504 (the KIVI residual)
 };
 
 /// Where the keys (or values) of one layer live in the layer's buffer, and how they are encoded.
@@ -133,16 +134,15 @@ struct kvq_metal_attention_args {
   int32_t end;
   int32_t split_tokens;  ///< tokens per split (a multiple of tile)
   int32_t splits;
-  int32_t tile;          ///< tokens decoded per step (<= 32)
-  int32_t heads;         ///< query heads per threadgroup
-  int32_t chunks;        ///< threadgroups per kv_head along the query heads
-  float scale;           ///< softmax scale (already resolved: never 0)
-  float softcap;         ///< > 0: logit = softcap * tanh(logit / softcap)
-  int32_t query_q8_0;    ///< 1: the query is rounded to q8_0 (integer dots for q8_0/q4_0 keys)
-  int32_t probs_f16;     ///< 1: probabilities are rounded to f16 before they multiply V
+  int32_t tile;        ///< tokens decoded per step (<= 32)
+  int32_t heads;       ///< query heads per threadgroup
+  int32_t chunks;      ///< threadgroups per kv_head along the query heads
+  float scale;         ///< softmax scale (already resolved: never 0)
+  float softcap;       ///< > 0: logit = softcap * tanh(logit / softcap)
+  int32_t query_q8_0;  ///< 1: the query is rounded to q8_0 (integer dots for q8_0/q4_0 keys)
+  int32_t probs_f16;   ///< 1: probabilities are rounded to f16 before they multiply V
 };
-static_assert(sizeof(kvq_metal_attention_args) == 168,
-              "kvq_metal_attention_args must be 168 bytes on host and device");
+static_assert(sizeof(kvq_metal_attention_args) == 168, "kvq_metal_attention_args must be 168 bytes on host and device");
 
 /// Arguments of kvq_attention_combine: merges `splits` partial states per query head in split
 /// order and writes the normalised output (q_heads, head_dim). Grid (head_dim, q_heads).
@@ -173,16 +173,16 @@ struct kvq_metal_attention_smem {
 /// and query precision.
 inline kvq_metal_attention_smem kvq_metal_attention_layout(int32_t head_dim, int32_t tile, int32_t heads,
                                                            int32_t query_q8_0) {
-  const uint32_t d = (uint32_t)head_dim;
-  const uint32_t h = (uint32_t)heads;
+  const uint32_t d = static_cast<uint32_t>(head_dim);
+  const uint32_t h = static_cast<uint32_t>(heads);
   const uint32_t blocks = (d + 31u) / 32u;
   kvq_metal_attention_smem s;
   s.q = 0u;
   s.o = s.q + h * d;
   s.k = s.o + h * d;
-  s.p = s.k + (uint32_t)tile * d;
-  s.w = s.p + h * (uint32_t)tile;
-  s.m = s.w + h * (uint32_t)tile;
+  s.p = s.k + static_cast<uint32_t>(tile) * d;
+  s.w = s.p + h * static_cast<uint32_t>(tile);
+  s.m = s.w + h * static_cast<uint32_t>(tile);
   s.l = s.m + h;
   s.corr = s.l + h;
   s.qd = s.corr + h;
@@ -224,8 +224,8 @@ enum class metal_kernel : int {
 
 /// The function names of the kernels in kernels.metal.
 inline constexpr char const* metal_kernel_names[] = {
-    "kvq_encode_rows",       "kvq_encode_key_tiles",  "kvq_store_f16_rows",
-    "kvq_decode",            "kvq_attention_partial", "kvq_attention_combine",
+    "kvq_encode_rows", "kvq_encode_key_tiles",  "kvq_store_f16_rows",
+    "kvq_decode",      "kvq_attention_partial", "kvq_attention_combine",
 };
 
 /// The Metal codec id of a kvq codec; undefined for codecs without Metal kernels.
@@ -246,16 +246,19 @@ struct metal_codec_id<fp8_e4m3> : std::integral_constant<int, kvq_metal_fp8_e4m3
 template <>
 struct metal_codec_id<fp8_e5m2> : std::integral_constant<int, kvq_metal_fp8_e5m2> {};
 template <int B, int G>
-struct metal_codec_id<::kvq::kivi_value<B, G>>
-    : std::integral_constant<int, B == 2 ? kvq_metal_kivi_value2 : B == 4 ? kvq_metal_kivi_value4 : kvq_metal_kivi_value8> {
-};
+struct metal_codec_id<::kvq::kivi_value<B, G>> : std::integral_constant<int, B == 2   ? kvq_metal_kivi_value2
+                                                                             : B == 4 ? kvq_metal_kivi_value4
+                                                                                      : kvq_metal_kivi_value8> {};
 template <int B, int G>
-struct metal_codec_id<::kvq::kivi_key<B, G>>
-    : std::integral_constant<int, B == 2 ? kvq_metal_kivi_key2 : B == 4 ? kvq_metal_kivi_key4 : kvq_metal_kivi_key8> {};
+struct metal_codec_id<::kvq::kivi_key<B, G>> : std::integral_constant<int, B == 2   ? kvq_metal_kivi_key2
+                                                                           : B == 4 ? kvq_metal_kivi_key4
+                                                                                    : kvq_metal_kivi_key8> {};
 
 /// A codec with Metal kernels.
 template <class C>
-concept metal_codec = requires { metal_codec_id<C>::value; };
+concept metal_codec = requires {
+  metal_codec_id<C>::value;
+};
 
 /// The Metal element type id of an input/output element type.
 template <element T>
@@ -283,13 +286,13 @@ struct metal_state {
 
 /// The static description of the keys or the values of a layer: region geometry and codec.
 struct metal_side {
-  kvq_metal_region region{};   ///< `quantized` and `residual_first` are set per operation
-  int codec = 0;               ///< kvq_metal_codec
-  int blocks = 1;              ///< blocks per encoded row (row codecs)
-  bool tiles = false;          ///< KIVI keys: encoded per tile of G tokens from an f16 residual
-  bool window = false;         ///< KIVI values: an f16 window of the last R tokens
-  std::int64_t residual = 0;   ///< rows of the f16 residual (tiles: F; window: R; else 0)
-  std::size_t units_bytes = 0; ///< aligned bytes of the encoded units of one kv_head
+  kvq_metal_region region{};    ///< `quantized` and `residual_first` are set per operation
+  int codec = 0;                ///< kvq_metal_codec
+  int blocks = 1;               ///< blocks per encoded row (row codecs)
+  bool tiles = false;           ///< KIVI keys: encoded per tile of G tokens from an f16 residual
+  bool window = false;          ///< KIVI values: an f16 window of the last R tokens
+  std::int64_t residual = 0;    ///< rows of the f16 residual (tiles: F; window: R; else 0)
+  std::size_t units_bytes = 0;  ///< aligned bytes of the encoded units of one kv_head
 };
 
 /// Fills the fp8 fields of a region from a codec's parameters (no-op for other parameter types).
@@ -529,8 +532,8 @@ inline auto plan_metal_shift(metal_side const& k, metal_side const& v, int head_
       std::int64_t const drop = n - st.key_quantized;
       std::int64_t const keep = st.length - st.key_quantized - drop;
       std::size_t const row = static_cast<std::size_t>(head_dim) * 2;
-      p.key[p.key_count++] = {k.region.residual_offset + static_cast<std::size_t>(drop) * row,
-                              k.region.residual_offset, static_cast<std::size_t>(keep) * row};
+      p.key[p.key_count++] = {k.region.residual_offset + static_cast<std::size_t>(drop) * row, k.region.residual_offset,
+                              static_cast<std::size_t>(keep) * row};
     }
     p.next.key_quantized = std::max<std::int64_t>(st.key_quantized - n, 0);
   } else {

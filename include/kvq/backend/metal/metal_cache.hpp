@@ -26,13 +26,13 @@
 //     compiled on a Mac by kvq's CI: see docs/metal.md.
 #pragma once
 
+#include "../../detail/host_vector.hpp"
 #include "../backend.hpp"
 
 #if defined(__APPLE__) && defined(KVQ_WITH_METAL)
 
 #  include <Foundation/Foundation.hpp>
 #  include <Metal/Metal.hpp>
-
 #  include <algorithm>
 #  include <cmath>
 #  include <cstddef>
@@ -169,7 +169,7 @@ class metal_library {
 /// `offset + (t * token_stride + h * head_stride + c) * sizeof(element)`.
 struct metal_tensor {
   MTL::Buffer* buffer = nullptr;
-  std::size_t offset = 0;         ///< bytes; a multiple of the element size
+  std::size_t offset = 0;  ///< bytes; a multiple of the element size
   std::int64_t tokens = 0;
   int kv_heads = 0;
   int head_dim = 0;
@@ -202,9 +202,9 @@ class QuantizedKVCache<Choice, metal> {
 
   /// Run-time options of a cache (the CPU cache's, without the allocator hook).
   struct options {
-    int residual = 128;      ///< KIVI residual length R (a multiple of G; 0 allowed); ignored otherwise
-    key_params key{};        ///< run-time parameters of the key codec (e.g. fp8 scale)
-    value_params value{};    ///< run-time parameters of the value codec
+    int residual = 128;           ///< KIVI residual length R (a multiple of G; 0 allowed); ignored otherwise
+    key_params key{};             ///< run-time parameters of the key codec (e.g. fp8 scale)
+    value_params value{};         ///< run-time parameters of the value codec
     std::uint32_t threads = 128;  ///< threads per threadgroup of the attention (a multiple of the SIMD width)
   };
 
@@ -221,8 +221,9 @@ class QuantizedKVCache<Choice, metal> {
                                   "cache: kv_heads = " + std::to_string(shape.kv_heads) + " must be > 0");
     check<invalid_argument_error>(shape.head_dim > 0 && shape.head_dim <= 65536,
                                   "cache: head_dim = " + std::to_string(shape.head_dim) + " must be in [1, 65536]");
-    check<invalid_argument_error>(shape.capacity > 0 && shape.capacity < (std::int64_t{1} << 31),
-                                  "Metal cache: capacity = " + std::to_string(shape.capacity) + " must be in [1, 2^31)");
+    check<invalid_argument_error>(
+        shape.capacity > 0 && shape.capacity < (std::int64_t{1} << 31),
+        "Metal cache: capacity = " + std::to_string(shape.capacity) + " must be in [1, 2^31)");
     check<invalid_argument_error>(opt.threads > 0, "Metal cache: threads must be > 0");
     int group = 0;
     if constexpr (key_codec::layout == codec_layout::token_group) group = key_codec::group;
@@ -231,13 +232,13 @@ class QuantizedKVCache<Choice, metal> {
                                   "cache: KIVI residual R = " + std::to_string(opt.residual) +
                                       " must be a non-negative multiple of G = " + std::to_string(group));
     if constexpr (requires { fp8_params_valid(opt.key); })
-      check<invalid_argument_error>(fp8_params_valid(opt.key), "cache: the key codec's fp8 scale = " +
-                                                                   detail::format_float(opt.key.scale) +
-                                                                   " must be finite and > 0");
+      check<invalid_argument_error>(
+          fp8_params_valid(opt.key),
+          "cache: the key codec's fp8 scale = " + detail::format_float(opt.key.scale) + " must be finite and > 0");
     if constexpr (requires { fp8_params_valid(opt.value); })
-      check<invalid_argument_error>(fp8_params_valid(opt.value), "cache: the value codec's fp8 scale = " +
-                                                                     detail::format_float(opt.value.scale) +
-                                                                     " must be finite and > 0");
+      check<invalid_argument_error>(
+          fp8_params_valid(opt.value),
+          "cache: the value codec's fp8 scale = " + detail::format_float(opt.value.scale) + " must be finite and > 0");
     auto const kl = detail::region_layout<key_codec, false>::make(shape, opt.residual);
     auto const vl = detail::region_layout<value_codec, true>::make(shape, opt.residual);
     std::size_t const kv = static_cast<std::size_t>(shape.kv_heads);
@@ -247,14 +248,16 @@ class QuantizedKVCache<Choice, metal> {
     MTL::Device* dev = library_->device();
     smem_limit_ = dev->maxThreadgroupMemoryLength();
     detail::metal_attention_plan probe;
-    check<invalid_argument_error>(
-        detail::plan_metal_attention(key_, value_, detail::metal_state{}, shape.head_dim, shape.kv_heads,
-                                     shape.kv_heads, 0, 0, 1.0f, attention_options{}, smem_limit_, opt.threads, 0, probe),
-        "Metal cache: head_dim = " + std::to_string(shape.head_dim) + " needs more threadgroup memory than the " +
-            std::to_string(smem_limit_) + " bytes the device has");
+    check<invalid_argument_error>(detail::plan_metal_attention(key_, value_, detail::metal_state{}, shape.head_dim,
+                                                               shape.kv_heads, shape.kv_heads, 0, 0, 1.0f,
+                                                               attention_options{}, smem_limit_, opt.threads, 0, probe),
+                                  "Metal cache: head_dim = " + std::to_string(shape.head_dim) +
+                                      " needs more threadgroup memory than the " + std::to_string(smem_limit_) +
+                                      " bytes the device has");
     detail::metal_pool pool;
     for (int l = 0; l < shape.layers; ++l) {
-      detail::metal_ref<MTL::Buffer> b(dev->newBuffer(std::max<std::size_t>(layer_bytes_, 16), MTL::ResourceStorageModeShared));
+      detail::metal_ref<MTL::Buffer> b(
+          dev->newBuffer(std::max<std::size_t>(layer_bytes_, 16), MTL::ResourceStorageModeShared));
       check<error>(static_cast<bool>(b), "Metal cache: allocating " + std::to_string(layer_bytes_) + " bytes failed");
       std::memset(b->contents(), 0, layer_bytes_);
       buffers_.push_back(std::move(b));
@@ -318,8 +321,7 @@ class QuantizedKVCache<Choice, metal> {
   }
   /// Reads values [first, first + count) of (layer, head) into host memory, rows `out_stride` apart.
   template <element T>
-  void read_values(int layer, int head, std::int64_t first, std::int64_t count, T* out,
-                   std::int64_t out_stride = 0) {
+  void read_values(int layer, int head, std::int64_t first, std::int64_t count, T* out, std::int64_t out_stride = 0) {
     read_host(false, layer, head, first, count, out, out_stride);
   }
   /// Decodes keys (keys = true) or values [first, first + count) of (layer, head) into `out` at
@@ -330,9 +332,14 @@ class QuantizedKVCache<Choice, metal> {
     check_read(layer, head, first, count, stride);
     detail::check<shape_error>(type == kvq_metal_elem_f32 || type == kvq_metal_elem_f16 || type == kvq_metal_elem_bf16,
                                "read: element type " + std::to_string(type) + " is not f32, f16 or bf16");
-    detail::check<shape_error>(out != nullptr && offset % detail::metal_elem_bytes(type) == 0 &&
-                                   (count == 0 || offset + static_cast<std::size_t>((count - 1) * stride + shape_.head_dim) *
-                                                               detail::metal_elem_bytes(type) <= out->length()),
+    // The rows span (count - 1) * stride + head_dim elements, computed without overflow.
+    std::int64_t extent = shape_.head_dim;
+    bool const spans = count == 0 || detail::add_product_within(extent, stride, count - 1,
+                                                                std::numeric_limits<std::int64_t>::max() / 4);
+    detail::check<shape_error>(out != nullptr && offset % detail::metal_elem_bytes(type) == 0 && spans &&
+                                   (count == 0 || static_cast<std::size_t>(extent) * detail::metal_elem_bytes(type) <=
+                                                      out->length() - std::min<std::size_t>(offset, out->length())) &&
+                                   offset <= out->length(),
                                "read: the output buffer is null, misaligned or too small");
     if (count == 0) return;
     detail::metal_pool pool;
@@ -361,10 +368,10 @@ class QuantizedKVCache<Choice, metal> {
           enc = cb->computeCommandEncoder();
         }
         // The cut tile's kept tokens go back to the f16 residual rows [0, untile_count).
-        std::size_t const res = key_.region.head0 + static_cast<std::size_t>(h) * key_.region.head_stride +
-                                key_.region.residual_offset;
-        encode_decode(enc, ps, true, l, h, p.untile_first, p.untile_count,
-                      buffers_[static_cast<std::size_t>(l)].get(), res, kvq_metal_elem_f16, shape_.head_dim);
+        std::size_t const res =
+            key_.region.head0 + static_cast<std::size_t>(h) * key_.region.head_stride + key_.region.residual_offset;
+        encode_decode(enc, ps, true, l, h, p.untile_first, p.untile_count, buffers_[static_cast<std::size_t>(l)].get(),
+                      res, kvq_metal_elem_f16_sat, shape_.head_dim);
       }
       next[static_cast<std::size_t>(l)] = p.next;
     }
@@ -401,7 +408,8 @@ class QuantizedKVCache<Choice, metal> {
         std::uint8_t* kr = base + key_.region.head0 + static_cast<std::size_t>(h) * key_.region.head_stride;
         std::uint8_t* vr = base + value_.region.head0 + static_cast<std::size_t>(h) * value_.region.head_stride;
         for (int i = 0; i < p.key_count; ++i) std::memmove(kr + p.key[i].dst, kr + p.key[i].src, p.key[i].bytes);
-        for (int i = 0; i < p.value_count; ++i) std::memmove(vr + p.value[i].dst, vr + p.value[i].src, p.value[i].bytes);
+        for (int i = 0; i < p.value_count; ++i)
+          std::memmove(vr + p.value[i].dst, vr + p.value[i].src, p.value[i].bytes);
       }
       st = p.next;
     }
@@ -431,8 +439,8 @@ class QuantizedKVCache<Choice, metal> {
 
   /// Decode attention with the query and the output (q_heads, head_dim, f32) in MTLBuffers;
   /// returns without waiting.
-  void attention(int layer, MTL::Buffer* q, std::size_t q_offset, int q_heads, MTL::Buffer* out,
-                 std::size_t out_offset, attention_options const& opt = {}) {
+  void attention(int layer, MTL::Buffer* q, std::size_t q_offset, int q_heads, MTL::Buffer* out, std::size_t out_offset,
+                 attention_options const& opt = {}) {
     check_usable();
     check_attention(layer, q_heads, opt);
     std::size_t const bytes = static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(shape_.head_dim) * 4;
@@ -467,7 +475,8 @@ class QuantizedKVCache<Choice, metal> {
                      range.second - range.first);
     wait();
     std::memcpy(part.out.data(), scratch_->contents(), bytes);
-    auto const* st = static_cast<float const*>(scratch_->contents()) + static_cast<std::size_t>(q_heads) * shape_.head_dim;
+    auto const* st = static_cast<float const*>(scratch_->contents()) +
+                     static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(shape_.head_dim);
     std::copy(st, st + q_heads, part.max.begin());
     std::copy(st + q_heads, st + 2 * q_heads, part.sum.begin());
     return part;
@@ -479,9 +488,9 @@ class QuantizedKVCache<Choice, metal> {
 
  private:
   auto state_at(int layer) const -> detail::metal_state const& {
-    detail::check<index_error>(layer >= 0 && layer < shape_.layers, "layer " + std::to_string(layer) +
-                                                                         " is out of range [0, " +
-                                                                         std::to_string(shape_.layers) + ")");
+    detail::check<index_error>(
+        layer >= 0 && layer < shape_.layers,
+        "layer " + std::to_string(layer) + " is out of range [0, " + std::to_string(shape_.layers) + ")");
     return state_[static_cast<std::size_t>(layer)];
   }
 
@@ -501,21 +510,16 @@ class QuantizedKVCache<Choice, metal> {
 
   /// The CPU cache's rule: rows of head_dim contiguous elements must not overlap.
   void check_strides(std::int64_t tokens, std::int64_t ts, std::int64_t hs, char const* what) const {
-    std::int64_t const d = shape_.head_dim;
-    bool const token_major_ok = hs >= d && (tokens <= 1 || ts >= hs * shape_.kv_heads);
-    bool const head_major_ok = ts >= d && (shape_.kv_heads <= 1 || hs >= ts * tokens);
-    bool const single = tokens <= 1 && shape_.kv_heads <= 1;
-    detail::check<shape_error>(ts >= 0 && hs >= 0 && (single || token_major_ok || head_major_ok),
-                               std::string("append: ") + what + " strides (token " + std::to_string(ts) + ", head " +
-                                   std::to_string(hs) + ") make rows of " + std::to_string(d) + " elements overlap");
+    // (4-byte elements: the largest input type, so the extent limit holds for every type.)
+    detail::check_tensor_strides(tokens, shape_.kv_heads, shape_.head_dim, ts, hs, 4, what);
   }
 
   void check_metal_tensor(metal_tensor const& x, char const* what) const {
     check_tensor(x.kv_heads, x.head_dim, x.tokens, x.buffer != nullptr, what);
     std::string const w = std::string("append: ") + what;
-    detail::check<shape_error>(x.type == kvq_metal_elem_f32 || x.type == kvq_metal_elem_f16 ||
-                                   x.type == kvq_metal_elem_bf16,
-                               w + " element type " + std::to_string(x.type) + " is not f32, f16 or bf16");
+    detail::check<shape_error>(
+        x.type == kvq_metal_elem_f32 || x.type == kvq_metal_elem_f16 || x.type == kvq_metal_elem_bf16,
+        w + " element type " + std::to_string(x.type) + " is not f32, f16 or bf16");
     std::size_t const es = detail::metal_elem_bytes(x.type);
     detail::check<shape_error>(x.offset % es == 0, w + " offset " + std::to_string(x.offset) + " is misaligned");
     check_strides(x.tokens, x.token_stride, x.head_stride, what);
@@ -537,13 +541,13 @@ class QuantizedKVCache<Choice, metal> {
 
   void check_read(int layer, int head, std::int64_t first, std::int64_t count, std::int64_t stride) const {
     std::int64_t const len = state_at(layer).length;
-    detail::check<index_error>(head >= 0 && head < shape_.kv_heads, "kv_head " + std::to_string(head) +
-                                                                         " is out of range [0, " +
-                                                                         std::to_string(shape_.kv_heads) + ")");
-    detail::check<index_error>(first >= 0 && count >= 0 && first <= len && count <= len - first,
-                               "read: range [" + std::to_string(first) + ", " + std::to_string(first + count) +
-                                   ") is outside the " + std::to_string(len) + " tokens of layer " +
-                                   std::to_string(layer));
+    detail::check<index_error>(
+        head >= 0 && head < shape_.kv_heads,
+        "kv_head " + std::to_string(head) + " is out of range [0, " + std::to_string(shape_.kv_heads) + ")");
+    detail::check<index_error>(first >= 0 && count >= 0 && first <= len && count <= len - first, [&] {
+      return "read: range " + detail::format_range(first, count) + " is outside the " + std::to_string(len) +
+             " tokens of layer " + std::to_string(layer);
+    });
     detail::check<shape_error>(stride >= shape_.head_dim, "read: output stride " + std::to_string(stride) +
                                                               " is smaller than head_dim " +
                                                               std::to_string(shape_.head_dim));
@@ -554,8 +558,9 @@ class QuantizedKVCache<Choice, metal> {
     detail::check<shape_error>(q_heads > 0 && q_heads % shape_.kv_heads == 0,
                                "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
                                    std::to_string(shape_.kv_heads) + " kv heads");
-    detail::check<invalid_argument_error>(std::isfinite(opt.scale) && opt.scale >= 0.0f && std::isfinite(opt.softcap) &&
-                                              opt.softcap >= 0.0f && opt.window >= 0,
+    detail::check<invalid_argument_error>(detail::is_finite_f32(opt.scale) && opt.scale >= 0.0f &&
+                                              detail::is_finite_f32(opt.softcap) && opt.softcap >= 0.0f &&
+                                              opt.window >= 0,
                                           "attention: scale, softcap and window must be finite and non-negative");
   }
 
@@ -576,7 +581,8 @@ class QuantizedKVCache<Choice, metal> {
     detail::check<error>(static_cast<bool>(b), "append: allocating a staging buffer failed");
     auto* dst = static_cast<std::uint8_t*>(b->contents());
     for (std::int64_t t = 0; t < x.tokens; ++t)
-      for (int h = 0; h < shape_.kv_heads; ++h, dst += row) std::memcpy(dst, x.data + t * x.token_stride + h * x.head_stride, row);
+      for (int h = 0; h < shape_.kv_heads; ++h, dst += row)
+        std::memcpy(dst, x.data + t * x.token_stride + h * x.head_stride, row);
     return b;
   }
 
@@ -591,12 +597,13 @@ class QuantizedKVCache<Choice, metal> {
                        std::uint32_t grid_y) {
     enc->setComputePipelineState(ps);
     NS::UInteger const w = std::max<NS::UInteger>(ps->threadExecutionWidth(), 1);
-    NS::UInteger const hgt = std::max<NS::UInteger>(1, std::min<NS::UInteger>(ps->maxTotalThreadsPerThreadgroup() / w, 4));
+    NS::UInteger const hgt =
+        std::max<NS::UInteger>(1, std::min<NS::UInteger>(ps->maxTotalThreadsPerThreadgroup() / w, 4));
     enc->dispatchThreadgroups(MTL::Size((grid_x + w - 1) / w, (grid_y + hgt - 1) / hgt, 1), MTL::Size(w, hgt, 1));
   }
 
-  void encode_append(int layer, std::int64_t n, MTL::Buffer* kb, std::size_t koff, kvq_metal_source ks,
-                     MTL::Buffer* vb, std::size_t voff, kvq_metal_source vs) {
+  void encode_append(int layer, std::int64_t n, MTL::Buffer* kb, std::size_t koff, kvq_metal_source ks, MTL::Buffer* vb,
+                     std::size_t voff, kvq_metal_source vs) {
     auto& st = state_[static_cast<std::size_t>(layer)];
     auto const plan = detail::plan_metal_append(key_, value_, shape_.head_dim, shape_.kv_heads, st, n, ks, vs);
     MTL::ComputePipelineState* ps[4] = {};
@@ -642,6 +649,14 @@ class QuantizedKVCache<Choice, metal> {
     std::int64_t const stride = out_stride == 0 ? d : out_stride;
     check_read(layer, head, first, count, stride);
     detail::check<shape_error>(count == 0 || out != nullptr, "read: output is null");
+    std::int64_t extent = d;  // (count - 1) * stride + head_dim elements, as the CPU cache checks
+    detail::check<shape_error>(count == 0 || detail::add_product_within(extent, stride, count - 1,
+                                                                        std::numeric_limits<std::ptrdiff_t>::max() /
+                                                                            static_cast<std::int64_t>(sizeof(T))),
+                               [&] {
+                                 return "read: " + std::to_string(count) + " rows " + std::to_string(stride) +
+                                        " elements apart do not fit in the address space";
+                               });
     if (count == 0) return;
     detail::metal_pool pool;
     std::size_t const row = static_cast<std::size_t>(d) * sizeof(T);
@@ -656,7 +671,8 @@ class QuantizedKVCache<Choice, metal> {
     commit(cb);
     wait();
     auto const* src = static_cast<std::uint8_t const*>(b->contents());
-    for (std::int64_t t = 0; t < count; ++t) std::memcpy(out + t * stride, src + static_cast<std::size_t>(t) * row, row);
+    for (std::int64_t t = 0; t < count; ++t)
+      std::memcpy(out + t * stride, src + static_cast<std::size_t>(t) * row, row);
   }
 
   /// Encodes kvq_attention_partial (+ kvq_attention_combine when `out` is set) over [begin, end).
@@ -667,7 +683,8 @@ class QuantizedKVCache<Choice, metal> {
                         std::int64_t split_tokens) {
     int const d = shape_.head_dim;
     float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
-    MTL::ComputePipelineState* ps = library_->pipeline(detail::metal_kernel::attention_partial, key_.codec, value_.codec);
+    MTL::ComputePipelineState* ps =
+        library_->pipeline(detail::metal_kernel::attention_partial, key_.codec, value_.codec);
     MTL::ComputePipelineState* combine = library_->pipeline(detail::metal_kernel::attention_combine, 0, 0);
     NS::UInteger const w = std::max<NS::UInteger>(ps->threadExecutionWidth(), 1);
     NS::UInteger const threads =
@@ -683,7 +700,8 @@ class QuantizedKVCache<Choice, metal> {
     if (plan.empty) {  // nothing attended: the output is zeros (callers never ask for an empty partial)
       if (out == nullptr) return;
       auto* blit = cb->blitCommandEncoder();
-      blit->fillBuffer(out, NS::Range::Make(out_off, static_cast<NS::UInteger>(q_heads) * d * 4), 0);
+      blit->fillBuffer(
+          out, NS::Range::Make(out_off, static_cast<NS::UInteger>(q_heads) * static_cast<NS::UInteger>(d) * 4), 0);
       blit->endEncoding();
       commit(cb);
       return;

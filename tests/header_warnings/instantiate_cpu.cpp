@@ -1,0 +1,149 @@
+// kvq header warning check: instantiates the main CPU paths of the public headers (warnings in
+// templates only show when they are instantiated), compiled with the strict consumer flags of
+// tests/header_warnings/CMakeLists.txt. Compile-only: nothing here is ever run.
+//
+// Covered: QuantizedKVCache for every codec (through the any_cache facade's table and directly)
+// with append of f32/f16/bf16, reads, truncate/shift/reset, storage views and memory; decode
+// attention (the default kernel, the scalar reference and every SIMD kernel compiled in, for
+// every codec pair); the CPU codec kernels of every instruction set compiled in; simd_level.
+#include <kvq/kvq.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvq_header_warnings {
+
+using kvq::bf16;
+using kvq::f16;
+using kivi_value_4_16 = kvq::kivi_value<4, 16>;
+using kivi_key_4_16 = kvq::kivi_key<4, 16>;
+
+/// Appends, reads, attends, truncates and shifts a cache of codec choice Choice.
+template <class Choice>
+void use_cache(float const* x, f16 const* h, bf16 const* b, float* out) {
+  using cache_t = kvq::QuantizedKVCache<Choice>;
+  typename cache_t::options o;
+  o.residual = 32;
+  cache_t c({2, 2, 64, 256}, o);
+  c.append(0, kvq::token_major(x, 3, 2, 64), kvq::token_major(x, 3, 2, 64));
+  c.append(0, kvq::token_major(h, 3, 2, 64), kvq::token_major(h, 3, 2, 64));
+  c.append(1, kvq::token_major(b, 3, 2, 64), kvq::token_major(b, 3, 2, 64));
+  c.read_keys(0, 1, 0, 2, out);
+  c.read_values(0, 1, 0, 2, out, 64);
+  std::vector<f16> o16(256);
+  std::vector<bf16> ob16(256);
+  c.read_keys(0, 0, 0, 2, o16.data());
+  c.read_values(0, 0, 0, 2, ob16.data());
+  kvq::storage_view const kv = c.key_storage(0, 0);
+  kvq::storage_view const vv = c.value_storage(0, 0);
+  out[0] = static_cast<float>(kv.unit_bytes + vv.unit_bytes);
+  kvq::attention_options opt;
+  opt.query = kvq::query_precision::q8_0;
+  opt.probabilities = kvq::probability_precision::f16;
+  kvq::decode_attention(c, 0, x, 4, out, opt);
+  kvq::decode_attention_parallel(c, 0, x, 4, out, 2);
+  auto part = kvq::attend_range(c, 0, x, 4, 0, c.size(0), opt);
+  kvq::combine(part, kvq::detail::attend_range_with<kvq::detail::reference_attention>(c, 0, x, 4, 0, 1, opt));
+#if defined(KVQ_CPU_HAS_AVX2)
+  kvq::combine(part, kvq::detail::attend_range_with<kvq::cpu_kernels::avx2::attention_kernel>(c, 0, x, 4, 0, 1, opt));
+#endif
+#if defined(KVQ_CPU_HAS_AVX512)
+  kvq::combine(part, kvq::detail::attend_range_with<kvq::cpu_kernels::avx512::attention_kernel>(c, 0, x, 4, 0, 1, opt));
+#endif
+#if defined(KVQ_CPU_HAS_NEON)
+  kvq::combine(part, kvq::detail::attend_range_with<kvq::cpu_kernels::neon::attention_kernel>(c, 0, x, 4, 0, 1, opt));
+#endif
+  kvq::finalize(part, out);
+  c.truncate(2);
+  c.shift_left(1);
+  out[1] = static_cast<float>(c.memory().bits_per_element + kvq::plan_memory<Choice>(c.shape(), 32).bits_per_element);
+  cache_t moved(std::move(c));
+  moved.reset();
+}
+
+/// The codec kernels of one instruction set (namespace NS) for row codec C.
+#define KVQ_HW_ROW_CODEC(NS, C)                                 \
+  NS::encode_rows<C>(x, 64, 2, 64, dst, 256, C::params_type{}); \
+  NS::decode_rows<C>(dst, 256, 2, 64, y, 64, C::params_type{})
+/// The codec kernels of one instruction set (namespace NS) for token-group codec C.
+#define KVQ_HW_TILE_CODEC(NS, C)          \
+  NS::encode_tile<C>(x, 64, 64, dst, {}); \
+  NS::decode_tile_tokens<C>(dst, 64, 1, 3, y, 64, {})
+/// Every codec and element conversion of one instruction set.
+#define KVQ_HW_ISA(NS)                      \
+  KVQ_HW_ROW_CODEC(NS, kvq::f32_codec);     \
+  KVQ_HW_ROW_CODEC(NS, kvq::f16_codec);     \
+  KVQ_HW_ROW_CODEC(NS, kvq::q8_0);          \
+  KVQ_HW_ROW_CODEC(NS, kvq::q4_0);          \
+  KVQ_HW_ROW_CODEC(NS, kvq::int8_sym);      \
+  KVQ_HW_ROW_CODEC(NS, kvq::fp8_e4m3);      \
+  KVQ_HW_ROW_CODEC(NS, kvq::fp8_e5m2);      \
+  KVQ_HW_ROW_CODEC(NS, kvq::kivi_value<2>); \
+  KVQ_HW_ROW_CODEC(NS, kivi_value_4_16);    \
+  KVQ_HW_ROW_CODEC(NS, kvq::kivi_value<8>); \
+  KVQ_HW_TILE_CODEC(NS, kvq::kivi_key<2>);  \
+  KVQ_HW_TILE_CODEC(NS, kivi_key_4_16);     \
+  KVQ_HW_TILE_CODEC(NS, kvq::kivi_key<8>);  \
+  NS::convert_to_f32(h, y, 64);             \
+  NS::convert_to_f32(b, y, 64);             \
+  NS::convert_to_f32(x, y, 64);             \
+  NS::convert_from_f32(x, h16, 64);         \
+  NS::convert_from_f32(x, b16, 64);         \
+  NS::convert_from_f32(x, y, 64)
+
+/// The CPU codec kernels of every instruction set compiled in, and the dispatching entry points.
+void use_kernels(float const* x, f16 const* h, bf16 const* b, std::uint8_t* dst, float* y, f16* h16, bf16* b16) {
+  KVQ_HW_ISA(kvq::cpu_kernels::scalar);
+  KVQ_HW_ISA(kvq::cpu_kernels);
+#if defined(KVQ_CPU_HAS_AVX2)
+  KVQ_HW_ISA(kvq::cpu_kernels::avx2);
+#endif
+#if defined(KVQ_CPU_HAS_AVX512)
+  KVQ_HW_ISA(kvq::cpu_kernels::avx512);
+#endif
+#if defined(KVQ_CPU_HAS_NEON)
+  KVQ_HW_ISA(kvq::cpu_kernels::neon);
+#endif
+}
+
+/// Every codec choice of the facade, plus choices with other group sizes.
+void use_all(float const* x, f16 const* h, bf16 const* b, float* out) {
+  auto any = kvq::make_any_cache({2, 2, 64, 256}, "q8_0", "q4_0");
+  any->append(0, kvq::token_major(x, 3, 2, 64), kvq::token_major(x, 3, 2, 64));
+  any->attention(0, x, 4, out);
+  auto layered = kvq::make_any_cache({2, 2, 64, 256}, {{"kivi4", "kivi4"}, {"fp8_e4m3", "q4_0"}});
+  layered->append(1, kvq::token_major(h, 3, 2, 64), kvq::token_major(h, 3, 2, 64));
+  layered->shift_left(1);
+  auto const part = layered->attend(1, x, 2, 0, 1);
+  kvq::finalize(part, out);
+  out[0] = static_cast<float>(kvq::supported_codec_pairs().size() + kvq::simd_level().size());
+
+  use_cache<kvq::f32_codec>(x, h, b, out);
+  use_cache<kvq::f16_codec>(x, h, b, out);
+  use_cache<kvq::q8_0>(x, h, b, out);
+  use_cache<kvq::q4_0>(x, h, b, out);
+  use_cache<kvq::int8_sym>(x, h, b, out);
+  use_cache<kvq::fp8_e4m3>(x, h, b, out);
+  use_cache<kvq::fp8_e5m2>(x, h, b, out);
+  use_cache<kvq::kivi<2>>(x, h, b, out);
+  use_cache<kvq::kivi<4, 16>>(x, h, b, out);
+  use_cache<kvq::kivi<8>>(x, h, b, out);
+  use_cache<kvq::kv_codecs<kvq::q8_0, kvq::q4_0>>(x, h, b, out);
+  use_cache<kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>>(x, h, b, out);
+  use_cache<kvq::kv_codecs<kvq::kivi_key<8>, kvq::fp8_e5m2>>(x, h, b, out);
+}
+
+}  // namespace kvq_header_warnings
+
+/// Keeps the instantiations (an external function the compiler must emit).
+void kvq_header_warnings_cpu(float const* x, kvq::f16 const* h, kvq::bf16 const* b, std::uint8_t* dst, float* y,
+                             kvq::f16* h16, kvq::bf16* b16);
+void kvq_header_warnings_cpu(float const* x, kvq::f16 const* h, kvq::bf16 const* b, std::uint8_t* dst, float* y,
+                             kvq::f16* h16, kvq::bf16* b16) {
+  kvq_header_warnings::use_kernels(x, h, b, dst, y, h16, b16);
+  kvq_header_warnings::use_all(x, h, b, y);
+}

@@ -1,0 +1,123 @@
+// kvq header warning check: instantiates the CUDA cache's host logic (cuda_cache_core) over a
+// runtime that calls the kernel bodies of backend/cuda/cuda_device.h on the CPU (as
+// tests/test_cuda_host.cpp does), for every codec, with the strict consumer flags of
+// tests/header_warnings/CMakeLists.txt. Compile-only: nothing here is ever run.
+#include <kvq/backend/cuda/cuda_cache_core.hpp>
+#include <kvq/backend/cuda/cuda_device.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <span>
+#include <vector>
+
+namespace kvq_header_warnings {
+
+/// A runtime of cuda_cache_core running the kernel bodies on the CPU.
+struct host_runtime {
+  using stream_type = int;
+  auto sm_count() const -> int { return 4; }
+  auto smem_per_block() const -> std::size_t { return 48 * 1024; }
+  auto allocate(void** p, std::size_t bytes) const -> kvq::device_status {
+    *p = std::calloc(bytes, 1);
+    return {};
+  }
+  void deallocate(void* p) const noexcept { std::free(p); }
+  auto copy_2d(void*, std::size_t, void const*, std::size_t, std::size_t, std::size_t, int) const
+      -> kvq::device_status {
+    return {};
+  }
+  auto zero(void*, std::size_t, int) const -> kvq::device_status { return {}; }
+  auto synchronize(int) const -> kvq::device_status { return {}; }
+  template <int C>
+  auto encode_rows(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::cuda_detail::encode_rows_thread<C>(a, i);
+    return {};
+  }
+  template <int C>
+  auto encode_key_tiles(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::cuda_detail::encode_key_tile_thread<C>(a, i);
+    return {};
+  }
+  auto store_f16_rows(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::cuda_detail::store_f16_thread(a, i);
+    return {};
+  }
+  template <int C>
+  auto decode(kvq_cuda::decode_args const& a, long long n, int) const -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::cuda_detail::decode_thread<C>(a, i);
+    return {};
+  }
+  /// The threads of one emulated block.
+  struct threads {
+    int n;
+    auto count() const -> int { return n; }
+    template <class F>
+    void run(F&& f) {
+      for (int i = 0; i < n; ++i) f(i);
+    }
+  };
+  template <int KC, int VC>
+  auto attention(kvq_cuda::attention_args const& a, unsigned gx, unsigned gy, unsigned gz, int nthreads,
+                 std::size_t smem_bytes, int) const -> kvq::device_status {
+    std::vector<float> sm(smem_bytes / sizeof(float));
+    threads th{nthreads};
+    for (unsigned z = 0; z < gz; ++z)
+      for (unsigned y = 0; y < gy; ++y)
+        for (unsigned x = 0; x < gx; ++x)
+          kvq::cuda_detail::attention_block<KC, VC>(a, static_cast<int>(x), static_cast<int>(y), static_cast<int>(z),
+                                                    sm.data(), th);
+    return {};
+  }
+  auto combine(kvq_cuda::combine_args const& a, long long n, int) const -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::cuda_detail::combine_thread(a, i);
+    return {};
+  }
+};
+
+/// Every operation of cuda_cache_core<Choice>, and the batched attention.
+template <class Choice>
+void use_core(float const* x, kvq::f16 const* h, kvq::bf16 const* b, float* out) {
+  using core_t = kvq::cuda_cache_core<Choice, host_runtime>;
+  typename core_t::options o;
+  o.residual = 32;
+  core_t c({2, 2, 64, 256}, o, host_runtime{});
+  c.append(0, kvq::token_major(x, 3, 2, 64), kvq::token_major(x, 3, 2, 64), 0);
+  c.append(0, kvq::token_major(h, 3, 2, 64), kvq::token_major(h, 3, 2, 64), 0);
+  c.append(1, kvq::token_major(b, 3, 2, 64), kvq::token_major(b, 3, 2, 64), 0);
+  c.read_keys(0, 1, 0, 2, out, 0, 0);
+  c.read_values(0, 1, 0, 2, reinterpret_cast<kvq::f16*>(out), 64, 0);
+  c.read_values(0, 0, 0, 2, reinterpret_cast<kvq::bf16*>(out), 64, 0);
+  kvq::storage_view const kv = c.key_storage(0, 0);
+  kvq::storage_view const vv = c.value_storage(0, 0);
+  out[0] = static_cast<float>(kv.unit_bytes + vv.unit_bytes + c.layer_bytes());
+  c.attention(0, x, 4, out, {}, 0);
+  kvq::basic_cuda_workspace<host_runtime> ws(c.runtime());
+  core_t* cores[] = {&c};
+  kvq::detail::cuda_attention_batch<Choice, host_runtime>(std::span<core_t* const>(cores), 0, x, 4, out, {}, ws, 0);
+  c.truncate(2, 0);
+  c.shift_left(1, 0);
+  c.synchronize(0);
+  out[1] = static_cast<float>(c.memory().bits_per_element);
+  c.reset();
+}
+
+}  // namespace kvq_header_warnings
+
+/// Keeps the instantiations (an external function the compiler must emit).
+void kvq_header_warnings_cuda_host(float const* x, kvq::f16 const* h, kvq::bf16 const* b, float* out);
+void kvq_header_warnings_cuda_host(float const* x, kvq::f16 const* h, kvq::bf16 const* b, float* out) {
+  using namespace kvq_header_warnings;
+  use_core<kvq::f32_codec>(x, h, b, out);
+  use_core<kvq::f16_codec>(x, h, b, out);
+  use_core<kvq::q8_0>(x, h, b, out);
+  use_core<kvq::q4_0>(x, h, b, out);
+  use_core<kvq::int8_sym>(x, h, b, out);
+  use_core<kvq::fp8_e4m3>(x, h, b, out);
+  use_core<kvq::fp8_e5m2>(x, h, b, out);
+  use_core<kvq::kivi<2>>(x, h, b, out);
+  use_core<kvq::kivi<4>>(x, h, b, out);
+  use_core<kvq::kivi<8>>(x, h, b, out);
+  use_core<kvq::kv_codecs<kvq::q8_0, kvq::q4_0>>(x, h, b, out);
+  use_core<kvq::kv_codecs<kvq::kivi_key<8>, kvq::fp8_e5m2>>(x, h, b, out);
+}
