@@ -45,39 +45,7 @@ auto sz(std::int64_t n) -> std::size_t { return static_cast<std::size_t>(n); }
 // bounds below would not be portable with it: a splitmix64 stream and Box-Muller in double instead.
 // ------------------------------------------------------------------------------------------------
 
-class rng {
- public:
-  explicit rng(std::uint64_t seed) : s_(seed) {}
-  auto next() -> std::uint64_t {
-    std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  /// Uniform in (0, 1).
-  auto uniform() -> double { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; }
-  /// Uniform integer in [0, n).
-  auto below(std::int64_t n) -> std::int64_t {
-    return static_cast<std::int64_t>(next() % static_cast<std::uint64_t>(n));
-  }
-  /// N(0, 1) by Box-Muller; each pair of uniforms gives two normals.
-  auto normal() -> double {
-    if (have_spare_) {
-      have_spare_ = false;
-      return spare_;
-    }
-    double const r = std::sqrt(-2.0 * std::log(uniform()));
-    double const a = 6.283185307179586 * uniform();
-    spare_ = r * std::sin(a);
-    have_spare_ = true;
-    return r * std::cos(a);
-  }
-
- private:
-  std::uint64_t s_;
-  double spare_ = 0.0;
-  bool have_spare_ = false;
-};
+using kvq_test::rng;
 
 /// Token-major K and V: [tokens][kv_heads][head_dim].
 struct kv_data {

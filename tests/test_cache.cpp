@@ -48,27 +48,8 @@ auto sz(std::int64_t n) -> std::size_t { return static_cast<std::size_t>(n); }
 // ---------------------------------------------------------------------------------------------
 // Element types
 
-/// The raw bits of an element (float, f16 or bf16), for bit-exact comparisons.
-template <class T>
-auto elem_bits(T x) -> std::uint32_t {
-  if constexpr (std::is_same_v<T, float>) {
-    return std::bit_cast<std::uint32_t>(x);
-  } else {
-    return x.bits;
-  }
-}
-
-/// Rounds a float to the element type (round to nearest even).
-template <class T>
-auto from_f32(float x) -> T {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else if constexpr (std::is_same_v<T, f16>) {
-    return kvq::to_f16(x);
-  } else {
-    return kvq::to_bf16(x);
-  }
-}
+using kvq_test::elem_bits;
+using kvq_test::from_f32;
 
 template <class T>
 auto type_name() -> char const* {

@@ -85,39 +85,7 @@ auto env_int(char const* name, std::int64_t fallback) -> std::int64_t {
   return end != nullptr && *end == '\0' ? static_cast<std::int64_t>(x) : fallback;
 }
 
-/// splitmix64: the same stream on every standard library (std::*_distribution are not portable).
-class rng {
- public:
-  explicit rng(std::uint64_t seed) : s_(seed) {}
-  auto next() -> std::uint64_t {
-    std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  /// Uniform in [0, n), n > 0.
-  auto below(std::int64_t n) -> std::int64_t {
-    return static_cast<std::int64_t>(next() % static_cast<std::uint64_t>(n));
-  }
-  /// Uniform in [lo, hi].
-  auto range(std::int64_t lo, std::int64_t hi) -> std::int64_t { return lo + below(hi - lo + 1); }
-  auto range_int(int lo, int hi) -> int { return static_cast<int>(range(lo, hi)); }
-  /// Uniform in (0, 1).
-  auto uniform() -> double { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; }
-  auto chance(double p) -> bool { return uniform() < p; }
-  /// N(0, 1), Box-Muller.
-  auto normal() -> double {
-    double const r = std::sqrt(-2.0 * std::log(uniform()));
-    return r * std::cos(6.283185307179586 * uniform());
-  }
-  template <class T>
-  auto pick(std::vector<T> const& v) -> T const& {
-    return v[sz(below(static_cast<std::int64_t>(v.size())))];
-  }
-
- private:
-  std::uint64_t s_;
-};
+using kvq_test::rng;
 
 /// Thrown at the first discrepancy of an iteration.
 struct mismatch {
@@ -132,25 +100,8 @@ void expect(bool ok, std::string const& what) {
 // Elements
 // ------------------------------------------------------------------------------------------------
 
-template <class T>
-auto elem_bits(T x) -> std::uint32_t {
-  if constexpr (std::is_same_v<T, float>) {
-    return kvq_test::bits(x);
-  } else {
-    return x.bits;
-  }
-}
-
-template <class T>
-auto from_f32(float x) -> T {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else if constexpr (std::is_same_v<T, f16>) {
-    return kvq::to_f16(x);
-  } else {
-    return kvq::to_bf16(x);
-  }
-}
+using kvq_test::elem_bits;
+using kvq_test::from_f32;
 
 template <class T>
 auto is_nan_elem(T x) -> bool {
@@ -844,18 +795,24 @@ class driver {
     return rows;
   }
 
-  void append(bool invalid) {
+  /// Calls f.template operator()<T>() for an element type T drawn from float, f16 and bf16.
+  template <class F>
+  void with_random_element(F&& f) {
     switch (r_.below(3)) {
       case 0:
-        append_as<float>(invalid);
+        f.template operator()<float>();
         break;
       case 1:
-        append_as<f16>(invalid);
+        f.template operator()<f16>();
         break;
       default:
-        append_as<bf16>(invalid);
+        f.template operator()<bf16>();
         break;
     }
+  }
+
+  void append(bool invalid) {
+    with_random_element([&]<class T>() { append_as<T>(invalid); });
   }
 
   template <class T>
@@ -1010,17 +967,7 @@ class driver {
 
   void read(bool invalid) {
     ++tally_.reads;
-    switch (r_.below(3)) {
-      case 0:
-        read_as<float>(invalid);
-        break;
-      case 1:
-        read_as<f16>(invalid);
-        break;
-      default:
-        read_as<bf16>(invalid);
-        break;
-    }
+    with_random_element([&]<class T>() { read_as<T>(invalid); });
   }
 
   template <class T>

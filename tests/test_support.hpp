@@ -1,6 +1,8 @@
 // Helpers shared by kvq's tests: golden-vector loading, hex parsing, bit comparisons, seeded data.
 #pragma once
 
+#include <kvq/detail/numeric.h>
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -9,6 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -52,6 +55,76 @@ inline auto bits(float x) -> std::uint32_t { return std::bit_cast<std::uint32_t>
 
 /// True when both are NaN, or both have identical bits.
 inline auto same_value(float a, float b) -> bool { return (std::isnan(a) && std::isnan(b)) || bits(a) == bits(b); }
+
+/// The raw bits of an element (float, kvq::f16 or kvq::bf16), for bit-exact comparisons.
+template <class T>
+auto elem_bits(T x) -> std::uint32_t {
+  if constexpr (std::is_same_v<T, float>) {
+    return std::bit_cast<std::uint32_t>(x);
+  } else {
+    return x.bits;
+  }
+}
+
+/// Rounds a float to the element type (round to nearest even).
+template <class T>
+auto from_f32(float x) -> T {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, kvq::f16>) {
+    return kvq::to_f16(x);
+  } else {
+    return kvq::to_bf16(x);
+  }
+}
+
+/// A seeded splitmix64 stream with uniform and normal draws: the same numbers on every standard
+/// library (std::*_distribution are not portable, so pinned bounds could not use them).
+class rng {
+ public:
+  explicit rng(std::uint64_t seed) : s_(seed) {}
+  /// The next 64 bits.
+  auto next() -> std::uint64_t {
+    std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  /// Uniform in (0, 1).
+  auto uniform() -> double { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; }
+  /// Uniform integer in [0, n), n > 0.
+  auto below(std::int64_t n) -> std::int64_t {
+    return static_cast<std::int64_t>(next() % static_cast<std::uint64_t>(n));
+  }
+  /// Uniform integer in [lo, hi].
+  auto range(std::int64_t lo, std::int64_t hi) -> std::int64_t { return lo + below(hi - lo + 1); }
+  /// Uniform int in [lo, hi].
+  auto range_int(int lo, int hi) -> int { return static_cast<int>(range(lo, hi)); }
+  /// True with probability p.
+  auto chance(double p) -> bool { return uniform() < p; }
+  /// A uniformly chosen element of a non-empty vector.
+  template <class T>
+  auto pick(std::vector<T> const& v) -> T const& {
+    return v[static_cast<std::size_t>(below(static_cast<std::int64_t>(v.size())))];
+  }
+  /// N(0, 1) by Box-Muller; each pair of uniforms gives two normals.
+  auto normal() -> double {
+    if (have_spare_) {
+      have_spare_ = false;
+      return spare_;
+    }
+    double const r = std::sqrt(-2.0 * std::log(uniform()));
+    double const a = 6.283185307179586 * uniform();
+    spare_ = r * std::sin(a);
+    have_spare_ = true;
+    return r * std::cos(a);
+  }
+
+ private:
+  std::uint64_t s_;
+  double spare_ = 0.0;
+  bool have_spare_ = false;
+};
 
 /// Seeded N(0, 1) data.
 inline auto normal_data(std::size_t n, std::uint32_t seed, float sigma = 1.0f) -> std::vector<float> {

@@ -287,6 +287,38 @@ inline void check_tensor_strides(std::int64_t tokens, std::int64_t kv_heads, std
                      });
 }
 
+/// Raises index_error ("<what>: range [first, first + count) is outside the <len> tokens of layer
+/// <layer>") unless 0 <= first <= first + count <= len, checked without overflow: every backend's
+/// read rule.
+inline void check_read_range(char const* what, int layer, std::int64_t len, std::int64_t first, std::int64_t count) {
+  check<index_error>(first >= 0 && count >= 0 && first <= len && count <= len - first, [&] {
+    return std::string(what) + ": range " + format_range(first, count) + " is outside the " + std::to_string(len) +
+           " tokens of layer " + std::to_string(layer);
+  });
+}
+
+/// Returns the row stride of a read of `count` rows of head_dim elements of T into `out`, rows
+/// `out_stride` elements apart (0: head_dim). Raises shape_error when the stride is below head_dim,
+/// when `out` is null (count > 0), or when the rows, (count - 1) * stride + head_dim elements, span
+/// more than the address space: every backend's rule for a host output.
+template <class T>
+auto check_read_output(char const* what, int head_dim, std::int64_t count, T const* out, std::int64_t out_stride)
+    -> std::int64_t {
+  std::int64_t const stride = out_stride == 0 ? head_dim : out_stride;
+  check<shape_error>(stride >= head_dim, [&] {
+    return std::string(what) + ": output stride " + std::to_string(stride) + " is smaller than head_dim " +
+           std::to_string(head_dim);
+  });
+  check<shape_error>(count == 0 || out != nullptr, [&] { return std::string(what) + ": output is null"; });
+  std::int64_t extent = head_dim;
+  std::int64_t const limit = std::numeric_limits<std::ptrdiff_t>::max() / static_cast<std::int64_t>(sizeof(T));
+  check<shape_error>(count == 0 || add_product_within(extent, stride, count - 1, limit), [&] {
+    return std::string(what) + ": " + std::to_string(count) + " rows " + std::to_string(stride) +
+           " elements apart do not fit in the address space";
+  });
+  return stride;
+}
+
 /// Stored scales of one encoded unit (row or tile) of codec C that are NaN or ±Inf: q8_0 / q4_0
 /// blocks, the int8 row scale, KIVI groups (value blocks, key channels). A unit decodes to NaN or
 /// ±Inf exactly where its scale is not finite. Codecs without scales (f32, f16, fp8) have none.
@@ -930,26 +962,9 @@ class QuantizedKVCache {
     check_head(head);
     std::int64_t const len = layers_[static_cast<std::size_t>(layer)].length;
     char const* what = Keys ? "read_keys" : "read_values";
-    detail::check<index_error>(first >= 0 && count >= 0 && first <= len && count <= len - first, [&] {
-      return std::string(what) + ": range " + detail::format_range(first, count) + " is outside the " +
-             std::to_string(len) + " tokens of layer " + std::to_string(layer);
-    });
+    detail::check_read_range(what, layer, len, first, count);
     int const d = shape_.head_dim;
-    std::int64_t const stride = out_stride == 0 ? d : out_stride;
-    detail::check<shape_error>(stride >= d, [&] {
-      return std::string(what) + ": output stride " + std::to_string(stride) + " is smaller than head_dim " +
-             std::to_string(d);
-    });
-    detail::check<shape_error>(count == 0 || out != nullptr, [&] { return std::string(what) + ": output is null"; });
-    // The output spans (count - 1) * stride + head_dim elements: no buffer is larger than the address space.
-    std::int64_t extent = d;
-    detail::check<shape_error>(count == 0 || detail::add_product_within(extent, stride, count - 1,
-                                                                        std::numeric_limits<std::ptrdiff_t>::max() /
-                                                                            static_cast<std::int64_t>(sizeof(T))),
-                               [&] {
-                                 return std::string(what) + ": " + std::to_string(count) + " rows " +
-                                        std::to_string(stride) + " elements apart do not fit in the address space";
-                               });
+    std::int64_t const stride = detail::check_read_output(what, d, count, out, out_stride);
     detail::vector<float> row(static_cast<std::size_t>(d));
     for (std::int64_t i = 0; i < count; ++i) {
       if constexpr (Keys) {

@@ -856,24 +856,9 @@ class cuda_cache_core {
     auto const& st = state_at(layer);
     check_head(head);
     char const* what = Keys ? "read_keys" : "read_values";
-    std::int64_t const len = st.length;
-    detail::check<index_error>(first >= 0 && count >= 0 && first <= len && count <= len - first, [&] {
-      return std::string(what) + ": range " + detail::format_range(first, count) + " is outside the " +
-             std::to_string(len) + " tokens of layer " + std::to_string(layer);
-    });
+    detail::check_read_range(what, layer, st.length, first, count);
     int const d = shape_.head_dim;
-    std::int64_t const stride = out_stride == 0 ? d : out_stride;
-    detail::check<shape_error>(stride >= d, std::string(what) + ": output stride " + std::to_string(stride) +
-                                                " is smaller than head_dim " + std::to_string(d));
-    detail::check<shape_error>(count == 0 || out != nullptr, std::string(what) + ": output is null");
-    std::int64_t extent = d;  // (count - 1) * stride + head_dim elements, as the CPU cache checks
-    detail::check<shape_error>(count == 0 || detail::add_product_within(extent, stride, count - 1,
-                                                                        std::numeric_limits<std::ptrdiff_t>::max() /
-                                                                            static_cast<std::int64_t>(sizeof(T))),
-                               [&] {
-                                 return std::string(what) + ": " + std::to_string(count) + " rows " +
-                                        std::to_string(stride) + " elements apart do not fit in the address space";
-                               });
+    std::int64_t const stride = detail::check_read_output(what, d, count, out, out_stride);
     if (count == 0) return;
     kvq_cuda::decode_args a{};
     a.layer = layers_[static_cast<std::size_t>(layer)];

@@ -329,7 +329,11 @@ class QuantizedKVCache<Choice, metal> {
   void read(bool keys, int layer, int head, std::int64_t first, std::int64_t count, MTL::Buffer* out,
             std::size_t offset, int type, std::int64_t stride) {
     check_usable();
-    check_read(layer, head, first, count, stride);
+    check_read(layer, head, first, count);
+    detail::check<shape_error>(stride >= shape_.head_dim, [&] {
+      return "read: output stride " + std::to_string(stride) + " is smaller than head_dim " +
+             std::to_string(shape_.head_dim);
+    });
     detail::check<shape_error>(type == kvq_metal_elem_f32 || type == kvq_metal_elem_f16 || type == kvq_metal_elem_bf16,
                                "read: element type " + std::to_string(type) + " is not f32, f16 or bf16");
     // The rows span (count - 1) * stride + head_dim elements, computed without overflow.
@@ -539,18 +543,12 @@ class QuantizedKVCache<Choice, metal> {
                                       std::to_string(shape_.capacity));
   }
 
-  void check_read(int layer, int head, std::int64_t first, std::int64_t count, std::int64_t stride) const {
+  void check_read(int layer, int head, std::int64_t first, std::int64_t count) const {
     std::int64_t const len = state_at(layer).length;
     detail::check<index_error>(
         head >= 0 && head < shape_.kv_heads,
         "kv_head " + std::to_string(head) + " is out of range [0, " + std::to_string(shape_.kv_heads) + ")");
-    detail::check<index_error>(first >= 0 && count >= 0 && first <= len && count <= len - first, [&] {
-      return "read: range " + detail::format_range(first, count) + " is outside the " + std::to_string(len) +
-             " tokens of layer " + std::to_string(layer);
-    });
-    detail::check<shape_error>(stride >= shape_.head_dim, "read: output stride " + std::to_string(stride) +
-                                                              " is smaller than head_dim " +
-                                                              std::to_string(shape_.head_dim));
+    detail::check_read_range("read", layer, len, first, count);
   }
 
   void check_attention(int layer, int q_heads, attention_options const& opt) const {
@@ -646,17 +644,8 @@ class QuantizedKVCache<Choice, metal> {
                  std::int64_t out_stride) {
     check_usable();
     std::int64_t const d = shape_.head_dim;
-    std::int64_t const stride = out_stride == 0 ? d : out_stride;
-    check_read(layer, head, first, count, stride);
-    detail::check<shape_error>(count == 0 || out != nullptr, "read: output is null");
-    std::int64_t extent = d;  // (count - 1) * stride + head_dim elements, as the CPU cache checks
-    detail::check<shape_error>(count == 0 || detail::add_product_within(extent, stride, count - 1,
-                                                                        std::numeric_limits<std::ptrdiff_t>::max() /
-                                                                            static_cast<std::int64_t>(sizeof(T))),
-                               [&] {
-                                 return "read: " + std::to_string(count) + " rows " + std::to_string(stride) +
-                                        " elements apart do not fit in the address space";
-                               });
+    check_read(layer, head, first, count);
+    std::int64_t const stride = detail::check_read_output("read", shape_.head_dim, count, out, out_stride);
     if (count == 0) return;
     detail::metal_pool pool;
     std::size_t const row = static_cast<std::size_t>(d) * sizeof(T);
