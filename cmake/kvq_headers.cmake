@@ -4,10 +4,18 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/error.hpp
     include/kvq/memory_resource.hpp
     include/kvq/cache.hpp
+    include/kvq/core/cache_types.hpp
+    include/kvq/core/checks.hpp
+    include/kvq/core/storage_layout.hpp
+    include/kvq/core/kernel_args.h
+    include/kvq/core/kernel_bodies.h
+    include/kvq/core/plans.hpp
+    include/kvq/core/cache_core.hpp
     include/kvq/attention.hpp
     include/kvq/any_cache.hpp
     include/kvq/backend/backend.hpp
     include/kvq/backend/cpu/kernels.hpp
+    include/kvq/backend/cpu/cpu_device.hpp
     include/kvq/backend/cpu/scalar.hpp
     include/kvq/backend/cpu/simd_codecs.hpp
     include/kvq/backend/cpu/attention_kernels.hpp
@@ -32,10 +40,8 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/codec/int8.hpp
     include/kvq/codec/fp8.hpp
     include/kvq/codec/kivi.hpp
-    include/kvq/backend/metal/kvq_metal_args.h
     include/kvq/backend/metal/kernels_metal_src.hpp
     include/kvq/backend/metal/metal_cache.hpp
-    include/kvq/backend/cuda/cuda_device.h
     include/kvq/backend/cuda/cuda_cache_core.hpp
 )
 

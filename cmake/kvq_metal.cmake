@@ -27,7 +27,8 @@ if(KVQ_METAL_COMPILE_CHECK)
     set(_kvq_metal_dir "${_kvq_root}/include/kvq/backend/metal")
     set(_kvq_metal_deps
         "${_kvq_metal_dir}/kernels.metal"
-        "${_kvq_metal_dir}/kvq_metal_args.h"
+        "${_kvq_root}/include/kvq/core/kernel_args.h"
+        "${_kvq_root}/include/kvq/core/kernel_bodies.h"
         "${_kvq_root}/include/kvq/detail/config.h"
         "${_kvq_root}/include/kvq/detail/numeric.h"
         "${_kvq_root}/include/kvq/detail/block_layouts.h"

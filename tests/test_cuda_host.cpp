@@ -1,6 +1,6 @@
 // kvq's CUDA backend without a GPU: cuda_cache_core (the CUDA cache's host logic: checks, layer
 // bookkeeping, launch plans, attention splits) driven over a runtime that runs the kernel bodies of
-// backend/cuda/cuda_device.h on the CPU, thread by thread, in place of the CUDA runtime. Compared
+// core/kernel_bodies.h on the CPU, thread by thread, in place of the CUDA runtime. Compared
 // with the CPU scalar reference: encoded bytes identical, decoded values bit-identical, attention
 // within fp32 rounding of kvq::decode_attention with the same options; every codec, head_dims 8,
 // 64, 80 and 128, KIVI R = 0, 32 and 128, GQA 32/8 and MHA, batched attention, errors with the
@@ -10,7 +10,7 @@
 // NaN first, so a phase that read another thread's result of the same phase (a missing barrier on
 // the GPU) or an uninitialised shared value would show up as a difference.
 #include <kvq/backend/cuda/cuda_cache_core.hpp>
-#include <kvq/backend/cuda/cuda_device.h>
+#include <kvq/core/kernel_bodies.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -33,15 +33,15 @@ struct host_control {
   int launches = 0;
 };
 
-/// The threads of one emulated block: run(f) calls f(tid) for every thread, in order or reversed.
+/// The threads of one emulated block: the caller runs the work of every thread of a phase in
+/// turn (in order or reversed), so the barrier between phases has nothing left to wait for.
 struct host_threads {
   int n;
   bool reverse;
   int count() const { return n; }
-  template <class F>
-  void run(F&& f) {
-    for (int i = 0; i < n; ++i) f(reverse ? n - 1 - i : i);
-  }
+  int lanes() const { return n; }
+  int tid(int k) const { return reverse ? n - 1 - k : k; }
+  void barrier() const {}
 };
 
 /// cuda_cache_core's runtime on host memory: "kernels" run their bodies on the CPU.
@@ -86,40 +86,51 @@ struct host_runtime {
     return {};
   }
   template <int C>
-  auto encode_rows(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
-    return elementwise(n, [&](long long i) { kvq::cuda_detail::encode_rows_thread<C>(a, i); });
+  auto encode_rows(kvq_write_args const& a, unsigned char* layer, void const* in, long long n, int) const
+      -> kvq::device_status {
+    return elementwise(n, [&](long long i) { kvq::kernels::encode_rows_thread(C, a, layer, bytes(in), i); });
   }
   template <int C>
-  auto encode_key_tiles(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
-    return elementwise(n, [&](long long i) { kvq::cuda_detail::encode_key_tile_thread<C>(a, i); });
+  auto encode_key_tiles(kvq_write_args const& a, unsigned char* layer, void const* in, long long n, int) const
+      -> kvq::device_status {
+    return elementwise(n, [&](long long i) { kvq::kernels::encode_key_tiles_thread(C, a, layer, bytes(in), i); });
   }
-  auto store_f16_rows(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
-    return elementwise(n, [&](long long i) { kvq::cuda_detail::store_f16_thread(a, i); });
+  auto store_f16_rows(kvq_write_args const& a, unsigned char* layer, void const* in, long long n, int) const
+      -> kvq::device_status {
+    return elementwise(n, [&](long long i) { kvq::kernels::store_f16_rows_thread(a, layer, bytes(in), i); });
   }
   template <int C>
-  auto decode(kvq_cuda::decode_args const& a, long long n, int) const -> kvq::device_status {
-    return elementwise(n, [&](long long i) { kvq::cuda_detail::decode_thread<C>(a, i); });
+  auto decode(kvq_decode_args const& a, unsigned char const* layer, void* out, long long n, int) const
+      -> kvq::device_status {
+    return elementwise(
+        n, [&](long long i) { kvq::kernels::decode_thread(C, a, layer, static_cast<unsigned char*>(out), i); });
   }
   template <int KC, int VC>
-  auto attention(kvq_cuda::attention_args const& a, unsigned gx, unsigned gy, unsigned gz, int threads,
-                 std::size_t smem_bytes, int) const -> kvq::device_status {
+  auto attention(kvq_attention_args const& a, kvq_cuda::attention_batch const& b, unsigned gx, unsigned gy, unsigned gz,
+                 int threads, std::size_t smem_bytes, int) const -> kvq::device_status {
     auto const s = launch();
     if (!s.ok()) return s;
     REQUIRE(smem_bytes <= smem);
     std::vector<float> sm(smem_bytes / 4);
     host_threads th{threads, control->reverse_threads};
+    long long const qd = static_cast<long long>(a.q_heads) * a.head_dim;
     for (unsigned z = 0; z < gz; ++z)
       for (unsigned y = 0; y < gy; ++y)
         for (unsigned x = 0; x < gx; ++x) {
           std::fill(sm.begin(), sm.end(), std::numeric_limits<float>::quiet_NaN());
-          kvq::cuda_detail::attention_block<KC, VC>(a, static_cast<int>(x), static_cast<int>(y), static_cast<int>(z),
-                                                    sm.data(), th);
+          long long const part = static_cast<long long>(z) * a.splits;
+          kvq::kernels::attention_block(KC, VC, a, b.seq[z], b.layer[z], b.layer[z], b.q + z * qd,
+                                        b.part_out + part * qd, b.part_max + part * a.q_heads,
+                                        b.part_sum + part * a.q_heads, sm.data(), static_cast<int>(x),
+                                        static_cast<int>(y), th);
         }
     return {};
   }
-  auto combine(kvq_cuda::combine_args const& a, long long n, int) const -> kvq::device_status {
-    return elementwise(n, [&](long long i) { kvq::cuda_detail::combine_thread(a, i); });
+  auto combine(kvq_combine_args const& a, float const* po, float const* pm, float const* ps, float* out, long long n,
+               int) const -> kvq::device_status {
+    return elementwise(n, [&](long long i) { kvq::kernels::combine_thread(a, po, pm, ps, out, i); });
   }
+  static auto bytes(void const* p) -> unsigned char const* { return static_cast<unsigned char const*>(p); }
 };
 
 /// The harness of cuda_scenario.hpp over cuda_cache_core<Choice, host_runtime> (host pointers).
@@ -296,9 +307,17 @@ TEST_CASE("cuda host: attention does not depend on the order of a block's thread
 }
 
 TEST_CASE("cuda host: attention plan", "[cuda_host]") {
-  kvq::detail::cuda_attention_plan p;
+  kvq::detail::attention_plan p;
   // H200-like: 132 SMs; 32/8 heads, head_dim 128, 32k tokens, batch 16.
-  REQUIRE(kvq::detail::plan_cuda_attention(128, 8, 32, 16, 32768, false, 132, 48 * 1024, 128, 0, p));
+  auto const dev = [](int sms) {
+    kvq::detail::attention_device d;
+    d.smem_limit = 48 * 1024;
+    d.threads = 128;
+    d.max_tile = 32;
+    d.target_blocks = 4 * sms;
+    return d;
+  };
+  REQUIRE(kvq::detail::plan_attention(128, 8, 32, 16, 32768, false, dev(132), p));
   CHECK(p.tile == 32);
   CHECK(p.heads == 4);
   CHECK(p.chunks == 1);
@@ -307,14 +326,14 @@ TEST_CASE("cuda host: attention plan", "[cuda_host]") {
   CHECK(p.splits * 8 * 16 >= 4 * 132);
   CHECK(p.smem_bytes <= 48 * 1024);
   // MQA with many query heads: the heads are chunked to fit shared memory.
-  REQUIRE(kvq::detail::plan_cuda_attention(256, 1, 64, 1, 1000, true, 132, 48 * 1024, 128, 0, p));
+  REQUIRE(kvq::detail::plan_attention(256, 1, 64, 1, 1000, true, dev(132), p));
   CHECK(p.heads * p.chunks >= 64);
   CHECK(p.smem_bytes <= 48 * 1024);
   // Nothing to attend: no split.
-  REQUIRE(kvq::detail::plan_cuda_attention(64, 2, 4, 1, 0, false, 132, 48 * 1024, 128, 0, p));
+  REQUIRE(kvq::detail::plan_attention(64, 2, 4, 1, 0, false, dev(132), p));
   CHECK(p.splits == 0);
   // A head_dim far too large for a block's shared memory.
-  CHECK_FALSE(kvq::detail::plan_cuda_attention(65536, 1, 1, 1, 10, false, 132, 48 * 1024, 128, 0, p));
+  CHECK_FALSE(kvq::detail::plan_attention(65536, 1, 1, 1, 10, false, dev(132), p));
   STATIC_REQUIRE(kvq::implements<kvq::q4_0, kvq::cuda>::value);
   STATIC_REQUIRE(kvq::implements<kvq::kivi_key<2, 64>, kvq::cuda>::value);
 }

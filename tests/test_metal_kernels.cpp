@@ -3,9 +3,20 @@
 // bit-identical, decode attention within fp32 rounding of kvq::decode_attention with the same
 // options; every codec, head_dims 8, 64, 80 and 128.
 //
-// `shim_cache` below drives the kernels exactly as backend/metal/metal_cache.hpp does on a Mac: the
-// same launch plans (kvq_metal_args.h), the same arguments and grids, with host memory in place of
-// MTLBuffers and the shim's dispatcher in place of a compute encoder.
+// `shim_cache` below drives the kernels as backend/metal/metal_cache.hpp does on a Mac: the cache
+// core (core/cache_core.hpp) over a device whose memory is host memory and whose kernel launches
+// go to the shim's dispatcher, with the same arguments and grids.
+#include <kvq/attention.hpp>
+#include <kvq/backend/metal/metal_cache.hpp>
+#include <kvq/cache.hpp>
+#include <kvq/codec/fp8.hpp>
+#include <kvq/codec/int8.hpp>
+#include <kvq/codec/kivi.hpp>
+#include <kvq/codec/passthrough.hpp>
+#include <kvq/codec/q4_0.hpp>
+#include <kvq/codec/q8_0.hpp>
+#include <kvq/core/cache_core.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,17 +32,6 @@
 #include "metal/metal_shim.hpp"
 #include "test_support.hpp"
 
-#include <kvq/attention.hpp>
-#include <kvq/backend/metal/kvq_metal_args.h>
-#include <kvq/backend/metal/metal_cache.hpp>
-#include <kvq/cache.hpp>
-#include <kvq/codec/fp8.hpp>
-#include <kvq/codec/int8.hpp>
-#include <kvq/codec/kivi.hpp>
-#include <kvq/codec/passthrough.hpp>
-#include <kvq/codec/q4_0.hpp>
-#include <kvq/codec/q8_0.hpp>
-
 namespace {
 
 namespace shim = kvq_metal_shim;
@@ -39,10 +39,65 @@ namespace kd = kvq::detail;
 
 /// How the attention kernels are launched.
 struct launch_options {
-  std::uint32_t threads = 64;           ///< threads per threadgroup
-  std::uint32_t simd_width = 32;        ///< SIMD-group width
-  std::int64_t split_tokens = 0;        ///< > 0: forced tokens per split
-  std::size_t smem_limit = 32768;       ///< threadgroup memory limit in bytes
+  std::uint32_t threads = 64;      ///< threads per threadgroup
+  std::uint32_t simd_width = 32;   ///< SIMD-group width
+  std::int64_t split_tokens = 0;   ///< > 0: forced tokens per split
+  std::size_t smem_limit = 32768;  ///< threadgroup memory limit in bytes
+};
+
+/// The names of kvq's Metal kernels (kernels.metal) for the write kernels of a plan.
+constexpr char const* write_kernel_names[] = {"kvq_encode_rows", "kvq_encode_key_tiles", "kvq_store_f16_rows"};
+
+/// A cache core device on host memory whose kernels run through the shim (1-D grids, as the Metal
+/// device dispatches them).
+struct shim_device {
+  using backend_tag = kvq::metal;
+  using stream_type = kd::no_stream;
+  using layer_type = std::uint8_t*;
+  using input_type = void const*;
+  using output_type = void*;
+  static constexpr char const* name = "Metal cache";
+  static constexpr std::int64_t max_capacity = (std::int64_t{1} << 31) - 1;
+
+  auto allocate(std::size_t bytes) -> std::uint8_t* {
+    auto* p = static_cast<std::uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    std::memset(p, 0, bytes);
+    return p;
+  }
+  void deallocate(std::uint8_t* p, std::size_t) noexcept { std::free(p); }
+  auto address(std::uint8_t* p) const -> std::byte* { return reinterpret_cast<std::byte*>(p); }
+  auto output_at(std::uint8_t* p, std::size_t offset) const -> void* { return p + offset; }
+  auto finish(kd::no_stream) const -> kvq::device_status { return {}; }
+  static auto grid(std::int64_t n) -> shim::size3 { return {static_cast<std::uint32_t>(n), 1, 1}; }
+
+  template <class C>
+  auto write(kd::write_step const& s, std::uint8_t* layer, void const* input, kd::no_stream) const
+      -> kvq::device_status {
+    shim::dispatch_threads(write_kernel_names[static_cast<int>(s.kernel)], {kd::kernel_codec<C>::value, 0},
+                           grid(s.threads), {const_cast<kvq_write_args*>(&s.args), layer, const_cast<void*>(input)});
+    return {};
+  }
+  template <class C>
+  auto decode(kvq_decode_args const& a, std::uint8_t* layer, void* out, kd::no_stream) const -> kvq::device_status {
+    shim::dispatch_threads("kvq_decode", {kd::kernel_codec<C>::value, 0},
+                           grid(static_cast<std::int64_t>(a.count) * a.head_dim),
+                           {const_cast<kvq_decode_args*>(&a), layer, out});
+    return {};
+  }
+  auto move(std::uint8_t* layer, std::size_t region0, std::size_t head_stride, int kv_heads, kd::byte_move const& m,
+            kd::no_stream) const -> kvq::device_status {
+    for (int h = 0; h < kv_heads; ++h) {
+      std::uint8_t* r = layer + region0 + static_cast<std::size_t>(h) * head_stride;
+      std::memmove(r + m.dst, r + m.src, m.bytes);
+    }
+    return {};
+  }
+};
+
+/// The attention launch of the last call: plan and arguments.
+struct launch_record {
+  kd::attention_plan plan;
+  kvq_attention_args args{};
 };
 
 /// The Metal cache's kernels driven on host memory through the shim (see the file comment).
@@ -50,128 +105,80 @@ template <class Choice>
 class shim_cache {
  public:
   using cpu_cache = kvq::QuantizedKVCache<Choice>;
-  using K = typename cpu_cache::key_codec;
-  using V = typename cpu_cache::value_codec;
   using options = typename cpu_cache::options;
 
-  shim_cache(kvq::cache_shape const& shape, options const& opt) : shape_(shape), opt_(opt) {
-    auto const kl = kd::region_layout<K, false>::make(shape, opt.residual);
-    auto const vl = kd::region_layout<V, true>::make(shape, opt.residual);
-    std::size_t const kv = static_cast<std::size_t>(shape.kv_heads);
-    key_ = kd::make_metal_side<K, false>(shape, opt.residual, opt.key, 0, kl.bytes());
-    value_ = kd::make_metal_side<V, true>(shape, opt.residual, opt.value, kv * kl.bytes(), vl.bytes());
-    layer_bytes_ = kv * (kl.bytes() + vl.bytes());
-    layers_.assign(static_cast<std::size_t>(shape.layers), std::vector<std::uint64_t>((layer_bytes_ + 7) / 8, 0));
-    state_.assign(static_cast<std::size_t>(shape.layers), kd::metal_state{});
-  }
+  shim_cache(kvq::cache_shape const& shape, options const& opt)
+      : core_(shape, opt.residual, opt.key, opt.value, shim_device{}) {}
 
-  auto layer_bytes() const -> std::size_t { return layer_bytes_; }
-  auto layer(int l) -> std::uint8_t* { return reinterpret_cast<std::uint8_t*>(layers_[static_cast<std::size_t>(l)].data()); }
-  auto state(int l) const -> kd::metal_state const& { return state_[static_cast<std::size_t>(l)]; }
-  auto key_side() const -> kd::metal_side const& { return key_; }
-  auto value_side() const -> kd::metal_side const& { return value_; }
+  auto layer_bytes() const -> std::size_t { return core_.layer_bytes(); }
+  auto layer(int l) -> std::uint8_t* { return core_.layer(l); }
+  auto state(int l) const -> kd::layer_state const& { return core_.state(l); }
+  auto key_side() const -> kd::cache_side const& { return core_.key_side(); }
+  auto value_side() const -> kd::cache_side const& { return core_.value_side(); }
 
   template <class T>
   void append(int l, kvq::kv_tensor<T> const& keys, kvq::kv_tensor<T> const& values) {
-    int const type = kd::metal_elem_id<T>();
-    auto const plan = kd::plan_metal_append(key_, value_, shape_.head_dim, shape_.kv_heads, state(l), keys.tokens,
-                                            kd::metal_source(type, keys.token_stride, keys.head_stride),
-                                            kd::metal_source(type, values.token_stride, values.head_stride));
-    for (int i = 0; i < plan.count; ++i) {
-      auto const& s = plan.steps[i];
-      void const* input = s.values ? static_cast<void const*>(values.data) : static_cast<void const*>(keys.data);
-      int const codec = s.values ? value_.codec : key_.codec;
-      shim::dispatch_threads(kd::metal_kernel_names[static_cast<int>(s.kernel)], {codec, 0}, {s.grid_x, s.grid_y, 1},
-                             {const_cast<kvq_metal_write_args*>(&s.args), layer(l), const_cast<void*>(input)});
-    }
-    state_[static_cast<std::size_t>(l)] = plan.next;
+    core_.check_append(l, kd::describe(keys), kd::describe(values));
+    int const type = kd::kernel_elem<T>();
+    core_.append_checked(l, keys.tokens, keys.data, kd::kernel_source(type, keys.token_stride, keys.head_stride),
+                         values.data, kd::kernel_source(type, values.token_stride, values.head_stride), {});
   }
 
   /// Decodes tokens [first, first + count) of (layer, head) into out (rows `stride` apart).
   template <class T>
   void read(bool keys, int l, int head, std::int64_t first, std::int64_t count, T* out, std::int64_t stride) {
-    kvq_metal_decode_args a{};
-    a.src = keys ? kd::metal_key_region(key_, state(l)) : kd::metal_value_region(value_, state(l));
-    a.out_stride = static_cast<std::uint64_t>(stride);
-    a.head_dim = shape_.head_dim;
-    a.head = head;
-    a.first = static_cast<std::int32_t>(first);
-    a.count = static_cast<std::int32_t>(count);
-    a.out_type = kd::metal_elem_id<T>();
-    int const codec = keys ? key_.codec : value_.codec;
-    shim::dispatch_threads("kvq_decode", {codec, 0},
-                           {static_cast<std::uint32_t>(shape_.head_dim), static_cast<std::uint32_t>(count), 1},
-                           {&a, layer(l), out});
+    core_.check_read("read", l, head, first, count);
+    core_.read_checked(keys, l, head, first, count, out, kd::kernel_elem<T>(), stride, {});
   }
 
-  void truncate(std::int64_t n) {
-    for (int l = 0; l < shape_.layers; ++l) {
-      auto const p = kd::plan_metal_truncate(key_, value_, state(l), n);
-      for (int h = 0; h < shape_.kv_heads && p.untile_count > 0; ++h) {
-        // Decode the cut tile's kept tokens back into the f16 residual rows [0, untile_count).
-        auto* residual = reinterpret_cast<kvq::f16*>(layer(l) + key_.region.head0 +
-                                                     static_cast<std::size_t>(h) * key_.region.head_stride +
-                                                     key_.region.residual_offset);
-        read(true, l, h, p.untile_first, p.untile_count, residual, shape_.head_dim);
-      }
-      state_[static_cast<std::size_t>(l)] = p.next;
-    }
-  }
-
-  void shift_left(std::int64_t n) {
-    for (int l = 0; l < shape_.layers; ++l) {
-      if (state(l).length == 0 || n == 0) continue;
-      auto const p = kd::plan_metal_shift(key_, value_, shape_.head_dim, state(l), n);
-      for (int h = 0; h < shape_.kv_heads; ++h) {
-        std::uint8_t* kr = layer(l) + key_.region.head0 + static_cast<std::size_t>(h) * key_.region.head_stride;
-        std::uint8_t* vr = layer(l) + value_.region.head0 + static_cast<std::size_t>(h) * value_.region.head_stride;
-        for (int i = 0; i < p.key_count; ++i) std::memmove(kr + p.key[i].dst, kr + p.key[i].src, p.key[i].bytes);
-        for (int i = 0; i < p.value_count; ++i)
-          std::memmove(vr + p.value[i].dst, vr + p.value[i].src, p.value[i].bytes);
-      }
-      state_[static_cast<std::size_t>(l)] = p.next;
-    }
-  }
+  void truncate(std::int64_t n) { core_.truncate(n, {}); }
+  void shift_left(std::int64_t n) { core_.shift_left(n, {}); }
 
   /// Decode attention of q (q_heads, head_dim) over `layer` into out, as the Metal cache runs it.
   void attention(int l, float const* q, int q_heads, float* out, kvq::attention_options const& opt,
                  launch_options const& lo = {}) {
+    auto const& shape = core_.shape();
     std::int64_t const len = state(l).length;
     std::int64_t const begin = opt.window > 0 ? std::max<std::int64_t>(0, len - opt.window) : 0;
-    float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
-    kd::metal_attention_plan plan;
-    REQUIRE(kd::plan_metal_attention(key_, value_, state(l), shape_.head_dim, shape_.kv_heads, q_heads, begin, len,
-                                     scale, opt, lo.smem_limit, lo.threads, lo.split_tokens, plan));
-    last_plan_ = plan;
-    std::size_t const d = static_cast<std::size_t>(shape_.head_dim);
+    float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+    kd::attention_device dev;
+    dev.smem_limit = lo.smem_limit;
+    dev.threads = static_cast<int>(lo.threads);
+    dev.max_tile = std::clamp(4096 / shape.head_dim, 1, 32);
+    dev.target_blocks = 64;
+    dev.split_tokens = lo.split_tokens;
+    launch_record& r = last_;
+    REQUIRE(kd::plan_attention(shape.head_dim, shape.kv_heads, q_heads, 1, len - begin,
+                               opt.query == kvq::query_precision::q8_0, dev, r.plan));
+    r.args = kd::attention_arguments(key_side(), value_side(), shape.head_dim, shape.kv_heads, q_heads, r.plan, scale,
+                                     opt.softcap, opt.query == kvq::query_precision::q8_0,
+                                     opt.probabilities == kvq::probability_precision::f16);
+    std::size_t const d = static_cast<std::size_t>(shape.head_dim);
     std::size_t const qh = static_cast<std::size_t>(q_heads);
-    if (plan.empty) {
+    if (r.plan.splits == 0) {
       std::fill(out, out + qh * d, 0.0f);
       return;
     }
-    std::size_t const splits = plan.threadgroups_x;
+    kvq_attention_seq seq = kd::attention_sequence(key_side(), value_side(), state(l), begin, len);
+    std::size_t const splits = static_cast<std::size_t>(r.plan.splits);
     std::vector<float> part_out(splits * qh * d), part_max(splits * qh), part_sum(splits * qh);
-    shim::dispatch_threadgroups("kvq_attention_partial", {key_.codec, value_.codec},
-                                {plan.threadgroups_x, plan.threadgroups_y, 1}, {plan.threads, 1, 1}, plan.smem_bytes,
-                                lo.simd_width,
-                                {&plan.args, layer(l), layer(l), const_cast<float*>(q), part_out.data(),
-                                 part_max.data(), part_sum.data()});
-    shim::dispatch_threads("kvq_attention_combine", {0, 0},
-                           {static_cast<std::uint32_t>(d), static_cast<std::uint32_t>(qh), 1},
-                           {&plan.combine, part_out.data(), part_max.data(), part_sum.data(), out});
+    shim::dispatch_threadgroups(
+        "kvq_attention_partial", {key_side().codec, value_side().codec},
+        {static_cast<std::uint32_t>(splits), static_cast<std::uint32_t>(shape.kv_heads * r.plan.chunks), 1},
+        {lo.threads, 1, 1}, r.plan.smem_bytes, lo.simd_width,
+        {&r.args, &seq, layer(l), const_cast<float*>(q), part_out.data(), part_max.data(), part_sum.data()});
+    kvq_combine_args cb{q_heads, shape.head_dim, r.plan.splits, 1};
+    shim::dispatch_threads("kvq_attention_combine", {0, 0}, grid(static_cast<std::int64_t>(qh * d)),
+                           {&cb, part_out.data(), part_max.data(), part_sum.data(), out});
   }
 
-  auto last_plan() const -> kd::metal_attention_plan const& { return last_plan_; }
+  auto last_plan() const -> launch_record const& { return last_; }
 
  private:
-  kvq::cache_shape shape_;
-  options opt_;
-  kd::metal_side key_;
-  kd::metal_side value_;
-  std::size_t layer_bytes_ = 0;
-  std::vector<std::vector<std::uint64_t>> layers_;
-  std::vector<kd::metal_state> state_;
-  kd::metal_attention_plan last_plan_;
+  static auto grid(std::int64_t n) -> shim::size3 { return shim_device::grid(n); }
+
+  kvq::cache_core<Choice, shim_device> core_;
+  launch_record last_;
 };
 
 /// The CPU cache and the shim cache side by side, fed the same data.
@@ -314,8 +321,8 @@ void require_same_attention(pair_of_caches<Choice>& c, int l, int q_heads, kvq::
   INFO("q_heads " << q_heads << " scale " << opt.scale << " window " << opt.window << " softcap " << opt.softcap
                   << " q8_0 query " << (opt.query == kvq::query_precision::q8_0) << " f16 probabilities "
                   << (opt.probabilities == kvq::probability_precision::f16) << " threads " << lo.threads
-                  << " simd width " << lo.simd_width << " splits " << c.gpu.last_plan().args.splits << " tile "
-                  << c.gpu.last_plan().args.tile << " heads/threadgroup " << c.gpu.last_plan().args.heads);
+                  << " simd width " << lo.simd_width << " splits " << c.gpu.last_plan().plan.splits << " tile "
+                  << c.gpu.last_plan().plan.tile << " heads/threadgroup " << c.gpu.last_plan().plan.heads);
   double const err = attention_error(want, got, q_heads, d);
   CHECK(err <= tolerance);
 }
@@ -467,8 +474,8 @@ TEMPLATE_TEST_CASE("metal kernels f16 and bf16 input and head-major strides", "[
   require_same_attention(c, 0, 2 * kv, {}, launch_options{}, 5);
 }
 
-TEMPLATE_TEST_CASE("metal kernels NaN and Inf in keys and values", "[metal]", kvq::f32_codec, kvq::f16_codec,
-                   kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::kivi<2>, kvq::kivi<8>) {
+TEMPLATE_TEST_CASE("metal kernels NaN and Inf in keys and values", "[metal]", kvq::f32_codec, kvq::f16_codec, kvq::q8_0,
+                   kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::kivi<2>, kvq::kivi<8>) {
   int const d = 64;
   int const kv = 2;
   std::int64_t const n = 96;
@@ -508,8 +515,8 @@ TEST_CASE("metal kernels attention launch shapes", "[metal]") {
   auto const k = kv_data(n, kv, d, 41);
   auto const v = kv_data(n, kv, d, 42);
   c.append(0, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
-  for (auto const& lo : {launch_options{64, 32, 40, 12288}, launch_options{32, 16, 0, 32768},
-                         launch_options{128, 32, 64, 9000}}) {
+  for (auto const& lo :
+       {launch_options{64, 32, 40, 12288}, launch_options{32, 16, 0, 32768}, launch_options{128, 32, 64, 9000}}) {
     for (int q_heads : {8, 5}) {
       if (q_heads % kv != 0) continue;
       require_same_attention(c, 0, q_heads, {}, lo, 43);
@@ -518,7 +525,7 @@ TEST_CASE("metal kernels attention launch shapes", "[metal]") {
       require_same_attention(c, 0, q_heads, o, lo, 44);
     }
   }
-  CHECK(c.gpu.last_plan().args.chunks > 1);
+  CHECK(c.gpu.last_plan().plan.chunks > 1);
   // An empty layer and an empty window attend nothing: zeros.
   pair_of_caches<kvq::q4_0> e({1, 2, 64, 64}, {});
   std::vector<float> q(4 * 64, 1.0f), out(q.size(), 5.0f);
@@ -530,21 +537,22 @@ TEST_CASE("metal kernels threadgroup memory layout and launch planning", "[metal
   // The layout the kernel indexes must fit the bytes the planner reserves, for every option.
   for (int d : {8, 64, 80, 128, 256}) {
     for (int q8 : {0, 1}) {
-      auto const s = kvq_metal_attention_layout(d, 32, 4, q8);
+      auto const s = kvq_attention_smem_layout(d, 32, 4, q8);
       CHECK(s.total % 4 == 0);
-      CHECK(s.o == 4u * static_cast<std::uint32_t>(d));
-      CHECK(s.total >= s.qcodes + (q8 ? 4u * static_cast<std::uint32_t>((d + 31) / 32) * 8u : 0u));
+      CHECK(s.o == 4 * d);
+      CHECK(s.total >= s.qcodes + (q8 ? 4 * ((d + 31) / 32) * 8 : 0));
     }
   }
-  shim_cache<kvq::q8_0> c({1, 8, 256, 64}, {});
-  kd::metal_attention_plan p;
-  kvq::attention_options opt;
-  REQUIRE(kd::plan_metal_attention(c.key_side(), c.value_side(), c.state(0), 256, 8, 64, 0, 0, 1.0f, opt, 32768, 128,
-                                   0, p));
+  kd::attention_device dev;
+  dev.smem_limit = 32768;
+  dev.threads = 128;
+  dev.max_tile = 16;
+  kd::attention_plan p;
+  REQUIRE(kd::plan_attention(256, 8, 64, 1, 0, false, dev, p));
   CHECK(p.smem_bytes <= 32768);
-  CHECK(p.empty);
-  CHECK_FALSE(kd::plan_metal_attention(c.key_side(), c.value_side(), c.state(0), 256, 8, 64, 0, 0, 1.0f, opt, 1024,
-                                       128, 0, p));
+  CHECK(p.splits == 0);
+  dev.smem_limit = 1024;
+  CHECK_FALSE(kd::plan_attention(256, 8, 64, 1, 0, false, dev, p));
 }
 
 TEST_CASE("metal cache on a mock metal-cpp matches the CPU cache", "[metal]") {

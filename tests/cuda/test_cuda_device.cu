@@ -153,9 +153,9 @@ __global__ void fp8_mismatches(unsigned long long first, unsigned long long n, u
   unsigned long long bad = 0;
   for (unsigned long long k = i; k < n; k += stride) {
     float const x = kvq::detail::f32_from_bits(static_cast<unsigned>(first + k));
-    bad += kvq::cuda_detail::fp8_e4m3_encode(x, 1.0f, true) != kvq::detail::f32_to_e4m3(x, true);
-    bad += kvq::cuda_detail::fp8_e5m2_encode(x, 1.0f, true) != kvq::detail::f32_to_e5m2(x, true);
-    bad += kvq::cuda_detail::fp8_e4m3_encode(x, 1.0f, false) != kvq::detail::f32_to_e4m3(x, false);
+    bad += kvq::kernels::fp8_e4m3_encode(x, 1.0f, true) != kvq::detail::f32_to_e4m3(x, true);
+    bad += kvq::kernels::fp8_e5m2_encode(x, 1.0f, true) != kvq::detail::f32_to_e5m2(x, true);
+    bad += kvq::kernels::fp8_e4m3_encode(x, 1.0f, false) != kvq::detail::f32_to_e4m3(x, false);
   }
   if (bad != 0) atomicAdd(count, bad);
 }
@@ -164,9 +164,9 @@ __global__ void fp8_mismatches(unsigned long long first, unsigned long long n, u
 __global__ void fp8_decode_mismatches(unsigned long long* count) {
   unsigned const c = threadIdx.x;
   unsigned long long bad = 0;
-  bad += kvq::detail::f32_bits(kvq::cuda_detail::fp8_e4m3_decode(static_cast<unsigned char>(c), 1.0f)) !=
+  bad += kvq::detail::f32_bits(kvq::kernels::fp8_e4m3_decode(static_cast<unsigned char>(c), 1.0f)) !=
          kvq::detail::f32_bits(kvq::detail::e4m3_to_f32_scaled(static_cast<unsigned char>(c), 1.0f));
-  bad += kvq::detail::f32_bits(kvq::cuda_detail::fp8_e5m2_decode(static_cast<unsigned char>(c), 0.5f)) !=
+  bad += kvq::detail::f32_bits(kvq::kernels::fp8_e5m2_decode(static_cast<unsigned char>(c), 0.5f)) !=
          kvq::detail::f32_bits(kvq::detail::e5m2_to_f32_scaled(static_cast<unsigned char>(c), 0.5f));
   if (bad != 0) atomicAdd(count, bad);
 }

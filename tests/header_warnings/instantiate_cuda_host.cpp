@@ -1,9 +1,9 @@
 // kvq header warning check: instantiates the CUDA cache's host logic (cuda_cache_core) over a
-// runtime that calls the kernel bodies of backend/cuda/cuda_device.h on the CPU (as
+// runtime that calls the kernel bodies of core/kernel_bodies.h on the CPU (as
 // tests/test_cuda_host.cpp does), for every codec, with the strict consumer flags of
 // tests/header_warnings/CMakeLists.txt. Compile-only: nothing here is ever run.
 #include <kvq/backend/cuda/cuda_cache_core.hpp>
-#include <kvq/backend/cuda/cuda_device.h>
+#include <kvq/core/kernel_bodies.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -29,48 +29,57 @@ struct host_runtime {
   }
   auto zero(void*, std::size_t, int) const -> kvq::device_status { return {}; }
   auto synchronize(int) const -> kvq::device_status { return {}; }
+  static auto in(void const* p) -> unsigned char const* { return static_cast<unsigned char const*>(p); }
   template <int C>
-  auto encode_rows(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
-    for (long long i = 0; i < n; ++i) kvq::cuda_detail::encode_rows_thread<C>(a, i);
+  auto encode_rows(kvq_write_args const& a, unsigned char* layer, void const* input, long long n, int) const
+      -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::kernels::encode_rows_thread(C, a, layer, in(input), i);
     return {};
   }
   template <int C>
-  auto encode_key_tiles(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
-    for (long long i = 0; i < n; ++i) kvq::cuda_detail::encode_key_tile_thread<C>(a, i);
+  auto encode_key_tiles(kvq_write_args const& a, unsigned char* layer, void const* input, long long n, int) const
+      -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::kernels::encode_key_tiles_thread(C, a, layer, in(input), i);
     return {};
   }
-  auto store_f16_rows(kvq_cuda::write_args const& a, long long n, int) const -> kvq::device_status {
-    for (long long i = 0; i < n; ++i) kvq::cuda_detail::store_f16_thread(a, i);
+  auto store_f16_rows(kvq_write_args const& a, unsigned char* layer, void const* input, long long n, int) const
+      -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::kernels::store_f16_rows_thread(a, layer, in(input), i);
     return {};
   }
   template <int C>
-  auto decode(kvq_cuda::decode_args const& a, long long n, int) const -> kvq::device_status {
-    for (long long i = 0; i < n; ++i) kvq::cuda_detail::decode_thread<C>(a, i);
+  auto decode(kvq_decode_args const& a, unsigned char const* layer, void* out, long long n, int) const
+      -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::kernels::decode_thread(C, a, layer, static_cast<unsigned char*>(out), i);
     return {};
   }
   /// The threads of one emulated block.
   struct threads {
     int n;
     auto count() const -> int { return n; }
-    template <class F>
-    void run(F&& f) {
-      for (int i = 0; i < n; ++i) f(i);
-    }
+    auto lanes() const -> int { return n; }
+    auto tid(int k) const -> int { return k; }
+    void barrier() const {}
   };
   template <int KC, int VC>
-  auto attention(kvq_cuda::attention_args const& a, unsigned gx, unsigned gy, unsigned gz, int nthreads,
-                 std::size_t smem_bytes, int) const -> kvq::device_status {
+  auto attention(kvq_attention_args const& a, kvq_cuda::attention_batch const& b, unsigned gx, unsigned gy, unsigned gz,
+                 int nthreads, std::size_t smem_bytes, int) const -> kvq::device_status {
     std::vector<float> sm(smem_bytes / sizeof(float));
-    threads th{nthreads};
+    long long const qd = static_cast<long long>(a.q_heads) * a.head_dim;
     for (unsigned z = 0; z < gz; ++z)
       for (unsigned y = 0; y < gy; ++y)
-        for (unsigned x = 0; x < gx; ++x)
-          kvq::cuda_detail::attention_block<KC, VC>(a, static_cast<int>(x), static_cast<int>(y), static_cast<int>(z),
-                                                    sm.data(), th);
+        for (unsigned x = 0; x < gx; ++x) {
+          long long const part = static_cast<long long>(z) * a.splits;
+          kvq::kernels::attention_block(KC, VC, a, b.seq[z], b.layer[z], b.layer[z], b.q + z * qd,
+                                        b.part_out + part * qd, b.part_max + part * a.q_heads,
+                                        b.part_sum + part * a.q_heads, sm.data(), static_cast<int>(x),
+                                        static_cast<int>(y), threads{nthreads});
+        }
     return {};
   }
-  auto combine(kvq_cuda::combine_args const& a, long long n, int) const -> kvq::device_status {
-    for (long long i = 0; i < n; ++i) kvq::cuda_detail::combine_thread(a, i);
+  auto combine(kvq_combine_args const& a, float const* po, float const* pm, float const* ps, float* out, long long n,
+               int) const -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::kernels::combine_thread(a, po, pm, ps, out, i);
     return {};
   }
 };

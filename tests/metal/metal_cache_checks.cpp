@@ -13,7 +13,6 @@
 //   * otherwise (on a Mac, in test_metal_device, with KVQ_WITH_METAL and the user's metal-cpp):
 //     against the system's default Metal device.
 #include <kvq/attention.hpp>
-#include <kvq/backend/metal/kvq_metal_args.h>
 #include <kvq/cache.hpp>
 #include <kvq/codec/fp8.hpp>
 #include <kvq/codec/int8.hpp>

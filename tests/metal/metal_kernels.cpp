@@ -3,12 +3,12 @@
 //
 // This translation unit sees kvq's shared headers in their Metal form (__METAL_VERSION__ is
 // defined by the shim); the tests, in other translation units, use the host form. The two only
-// share the plain argument structs of kvq_metal_args.h and untyped buffer pointers.
+// share the plain argument structs of core/kernel_args.h and untyped buffer pointers.
 
 #define KVQ_METAL_SHIM_LANGUAGE 1
-#include "metal_shim.hpp"
-
 #include <kvq/backend/metal/kernels.metal>
+
+#include "metal_shim.hpp"
 
 #undef kernel
 #undef device
@@ -39,29 +39,28 @@ void dispatch_threads(std::string const& name, std::array<int, 2> constants, siz
   std::function<void(thread_ids const&)> body;
   if (name == "kvq_encode_rows") {
     body = [&](thread_ids const& t) {
-      kvq_encode_rows(*arg<kvq_metal_write_args const*>(b, 0), arg<uchar*>(b, 1), arg<uchar const*>(b, 2),
-                      xy(t.thread_position_in_grid));
+      kvq_encode_rows(*arg<kvq_write_args const*>(b, 0), arg<uchar*>(b, 1), arg<uchar const*>(b, 2),
+                      t.thread_position_in_grid.x);
     };
   } else if (name == "kvq_encode_key_tiles") {
     body = [&](thread_ids const& t) {
-      kvq_encode_key_tiles(*arg<kvq_metal_write_args const*>(b, 0), arg<uchar*>(b, 1), arg<uchar const*>(b, 2),
-                           xy(t.thread_position_in_grid));
+      kvq_encode_key_tiles(*arg<kvq_write_args const*>(b, 0), arg<uchar*>(b, 1), arg<uchar const*>(b, 2),
+                           t.thread_position_in_grid.x);
     };
   } else if (name == "kvq_store_f16_rows") {
     body = [&](thread_ids const& t) {
-      kvq_store_f16_rows(*arg<kvq_metal_write_args const*>(b, 0), arg<uchar*>(b, 1), arg<uchar const*>(b, 2),
-                         xy(t.thread_position_in_grid));
+      kvq_store_f16_rows(*arg<kvq_write_args const*>(b, 0), arg<uchar*>(b, 1), arg<uchar const*>(b, 2),
+                         t.thread_position_in_grid.x);
     };
   } else if (name == "kvq_decode") {
     body = [&](thread_ids const& t) {
-      kvq_decode(*arg<kvq_metal_decode_args const*>(b, 0), arg<uchar const*>(b, 1), arg<uchar*>(b, 2),
-                 xy(t.thread_position_in_grid));
+      kvq_decode(*arg<kvq_decode_args const*>(b, 0), arg<uchar const*>(b, 1), arg<uchar*>(b, 2),
+                 t.thread_position_in_grid.x);
     };
   } else if (name == "kvq_attention_combine") {
     body = [&](thread_ids const& t) {
-      kvq_attention_combine(*arg<kvq_metal_combine_args const*>(b, 0), arg<float const*>(b, 1),
-                            arg<float const*>(b, 2), arg<float const*>(b, 3), arg<float*>(b, 4),
-                            xy(t.thread_position_in_grid));
+      kvq_attention_combine(*arg<kvq_combine_args const*>(b, 0), arg<float const*>(b, 1), arg<float const*>(b, 2),
+                            arg<float const*>(b, 3), arg<float*>(b, 4), t.thread_position_in_grid.x);
     };
   } else {
     throw std::invalid_argument("metal shim: no grid kernel named " + name);
@@ -74,12 +73,11 @@ void dispatch_threadgroups(std::string const& name, std::array<int, 2> constants
   set_constants(constants);
   if (name != "kvq_attention_partial") throw std::invalid_argument("metal shim: no threadgroup kernel named " + name);
   detail::run_threadgroups(groups, threads, threadgroup_bytes, simd_width, [&](thread_ids const& t) {
-    kvq_attention_partial(*arg<kvq_metal_attention_args const*>(b, 0), arg<uchar const*>(b, 1),
+    kvq_attention_partial(*arg<kvq_attention_args const*>(b, 0), *arg<kvq_attention_seq const*>(b, 1),
                           arg<uchar const*>(b, 2), arg<float const*>(b, 3), arg<float*>(b, 4), arg<float*>(b, 5),
                           arg<float*>(b, 6), static_cast<float*>(t.threadgroup_memory),
                           xy(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
-                          t.threads_per_threadgroup.x, t.thread_index_in_simdgroup,
-                          t.simdgroup_index_in_threadgroup, t.simdgroups_per_threadgroup, t.threads_per_simdgroup);
+                          t.threads_per_threadgroup.x);
   });
 }
 

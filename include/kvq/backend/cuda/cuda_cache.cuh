@@ -12,8 +12,9 @@
 //     that raises a check leaves the cache unchanged. A failed CUDA call raises device_error naming
 //     it and marks the cache unusable (every later call raises device_error); device faults of
 //     queued work surface at `synchronize(stream)` (or any later CUDA call).
-//   * Kernels: kernels.cuh over the shared codec math (cuda_device.h); the host logic is
-//     cuda_cache_core.hpp, tested on the CPU by tests/test_cuda_host.cpp.
+//   * Kernels: kernels.cuh over the shared kernel bodies (core/kernel_bodies.h); the host logic is
+//     the cache core (core/cache_core.hpp) over the CUDA device of cuda_cache_core.hpp, tested on
+//     the CPU by tests/test_cuda_host.cpp.
 //   * Not thread-safe: use a cache from one host thread at a time.
 #pragma once
 
@@ -91,37 +92,45 @@ struct cuda_runtime {
   }
 
   template <int C>
-  auto encode_rows(kvq_cuda::write_args const& a, long long n, stream_type s) const -> device_status {
+  auto encode_rows(kvq_write_args const& a, unsigned char* layer, void const* input, long long n, stream_type s) const
+      -> device_status {
     if (n <= 0) return {};
-    kvq_cuda::encode_rows<C><<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, n);
+    kvq_cuda::encode_rows<C><<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, layer, input);
     return launched("encode_rows kernel launch");
   }
   template <int C>
-  auto encode_key_tiles(kvq_cuda::write_args const& a, long long n, stream_type s) const -> device_status {
+  auto encode_key_tiles(kvq_write_args const& a, unsigned char* layer, void const* input, long long n,
+                        stream_type s) const -> device_status {
     if (n <= 0) return {};
-    kvq_cuda::encode_key_tiles<C><<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, n);
+    kvq_cuda::encode_key_tiles<C>
+        <<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, layer, input);
     return launched("encode_key_tiles kernel launch");
   }
-  auto store_f16_rows(kvq_cuda::write_args const& a, long long n, stream_type s) const -> device_status {
+  auto store_f16_rows(kvq_write_args const& a, unsigned char* layer, void const* input, long long n,
+                      stream_type s) const -> device_status {
     if (n <= 0) return {};
-    kvq_cuda::store_f16_rows<><<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, n);
+    kvq_cuda::store_f16_rows<>
+        <<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, layer, input);
     return launched("store_f16_rows kernel launch");
   }
   template <int C>
-  auto decode(kvq_cuda::decode_args const& a, long long n, stream_type s) const -> device_status {
+  auto decode(kvq_decode_args const& a, unsigned char const* layer, void* out, long long n, stream_type s) const
+      -> device_status {
     if (n <= 0) return {};
-    kvq_cuda::decode<C><<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, n);
+    kvq_cuda::decode<C><<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, layer, out);
     return launched("decode kernel launch");
   }
   template <int KC, int VC>
-  auto attention(kvq_cuda::attention_args const& a, unsigned gx, unsigned gy, unsigned gz, int threads,
-                 std::size_t smem_bytes, stream_type s) const -> device_status {
-    kvq_cuda::attention<KC, VC><<<dim3(gx, gy, gz), dim3(static_cast<unsigned>(threads)), smem_bytes, s>>>(a);
+  auto attention(kvq_attention_args const& a, kvq_cuda::attention_batch const& b, unsigned gx, unsigned gy, unsigned gz,
+                 int threads, std::size_t smem_bytes, stream_type s) const -> device_status {
+    kvq_cuda::attention<KC, VC><<<dim3(gx, gy, gz), dim3(static_cast<unsigned>(threads)), smem_bytes, s>>>(a, b);
     return launched("attention kernel launch");
   }
-  auto combine(kvq_cuda::combine_args const& a, long long n, stream_type s) const -> device_status {
+  auto combine(kvq_combine_args const& a, float const* part_out, float const* part_max, float const* part_sum,
+               float* out, long long n, stream_type s) const -> device_status {
     if (n <= 0) return {};
-    kvq_cuda::combine<><<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, n);
+    kvq_cuda::combine<><<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, part_out, part_max,
+                                                                                                  part_sum, out);
     return launched("combine kernel launch");
   }
 };

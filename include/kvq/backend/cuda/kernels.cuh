@@ -1,10 +1,11 @@
-// kvq: the CUDA kernels of the quantized KV cache, templated on the codec, and their launchers.
+// kvq: the CUDA kernels of the quantized KV cache: entry points over the shared kernel bodies.
 //
-// Each kernel is a thin wrapper: it computes its thread's index and calls the kernel body in
-// cuda_device.h (shared with the host test that runs the bodies on the CPU). Kernels and launchers
-// live in namespace kvq_cuda, outside kvq's per-ISA inline namespace, and take only kvq_cuda
-// argument structs and integer codec ids, so their signatures are the same in nvcc's host and
-// device passes. Include from .cu files only (nvcc).
+// Each kernel computes its thread's index and calls one function of core/kernel_bodies.h (the
+// bodies every backend runs, and the host test runs on the CPU), with the codec as a template
+// argument so its switches fold away. Kernels live in namespace kvq_cuda, outside kvq's per-ISA
+// inline namespace, and take only the argument structs of core/kernel_args.h, pointers and
+// integer codec ids, so their signatures are the same in nvcc's host and device passes. Include
+// from .cu files only (nvcc).
 //
 //   encode_rows<C>          (kv_heads, tokens, blocks)       encode rows of a row codec
 //   encode_key_tiles<C>     (kv_heads, tiles, head_dim)      encode KIVI key tiles per channel
@@ -21,32 +22,20 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda_device.h"
+#include "cuda_cache_core.hpp"
 
 namespace kvq_cuda {
 
 /// Threads per block of the element-wise kernels.
 constexpr int elementwise_threads = 256;
 
-/// The threads of one block as the attention body sees them: run(f) runs f(threadIdx.x) and then
-/// synchronises the block.
+/// The threads of a block as the attention body sees them: each GPU thread runs its own work
+/// (one lane) and the barrier is __syncthreads.
 struct block_threads {
-  KVQ_HOST_DEVICE int count() const {
-#if defined(__CUDA_ARCH__)
-    return (int)blockDim.x;
-#else
-    return 1;
-#endif
-  }
-  template <class F>
-  KVQ_HOST_DEVICE void run(F&& f) {
-#if defined(__CUDA_ARCH__)
-    f((int)threadIdx.x);
-    __syncthreads();
-#else
-    (void)f;
-#endif
-  }
+  __device__ int count() const { return (int)blockDim.x; }
+  __device__ int lanes() const { return 1; }
+  __device__ int tid(int) const { return (int)threadIdx.x; }
+  __device__ void barrier() const { __syncthreads(); }
 };
 
 /// Index of the calling thread in a one-dimensional grid.
@@ -55,41 +44,42 @@ __device__ __forceinline__ long long global_thread() {
 }
 
 template <int C>
-__global__ void encode_rows(const __grid_constant__ write_args a, long long n) {
-  const long long i = global_thread();
-  if (i < n) ::kvq::cuda_detail::encode_rows_thread<C>(a, i);
+__global__ void encode_rows(const __grid_constant__ kvq_write_args a, unsigned char* layer, void const* input) {
+  ::kvq::kernels::encode_rows_thread(C, a, layer, static_cast<unsigned char const*>(input), global_thread());
 }
 
 template <int C>
-__global__ void encode_key_tiles(const __grid_constant__ write_args a, long long n) {
-  const long long i = global_thread();
-  if (i < n) ::kvq::cuda_detail::encode_key_tile_thread<C>(a, i);
+__global__ void encode_key_tiles(const __grid_constant__ kvq_write_args a, unsigned char* layer, void const* input) {
+  ::kvq::kernels::encode_key_tiles_thread(C, a, layer, static_cast<unsigned char const*>(input), global_thread());
 }
 
 template <int Unused = 0>
-__global__ void store_f16_rows(const __grid_constant__ write_args a, long long n) {
-  const long long i = global_thread();
-  if (i < n) ::kvq::cuda_detail::store_f16_thread(a, i);
+__global__ void store_f16_rows(const __grid_constant__ kvq_write_args a, unsigned char* layer, void const* input) {
+  ::kvq::kernels::store_f16_rows_thread(a, layer, static_cast<unsigned char const*>(input), global_thread());
 }
 
 template <int C>
-__global__ void decode(const __grid_constant__ decode_args a, long long n) {
-  const long long i = global_thread();
-  if (i < n) ::kvq::cuda_detail::decode_thread<C>(a, i);
+__global__ void decode(const __grid_constant__ kvq_decode_args a, unsigned char const* layer, void* out) {
+  ::kvq::kernels::decode_thread(C, a, layer, static_cast<unsigned char*>(out), global_thread());
 }
 
 template <int KC, int VC>
-__global__ void __launch_bounds__(256) attention(const __grid_constant__ attention_args a) {
+__global__ void __launch_bounds__(256)
+    attention(const __grid_constant__ kvq_attention_args a, const __grid_constant__ attention_batch batch) {
   extern __shared__ float kvq_attention_smem[];
-  block_threads threads;
-  ::kvq::cuda_detail::attention_block<KC, VC>(a, (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, kvq_attention_smem,
-                                              threads);
+  const int b = (int)blockIdx.z;
+  const long long q_per_seq = (long long)a.q_heads * a.head_dim;
+  const long long part = (long long)b * a.splits;
+  ::kvq::kernels::attention_block(KC, VC, a, batch.seq[b], batch.layer[b], batch.layer[b], batch.q + b * q_per_seq,
+                                  batch.part_out + part * q_per_seq, batch.part_max + part * a.q_heads,
+                                  batch.part_sum + part * a.q_heads, kvq_attention_smem, (int)blockIdx.x,
+                                  (int)blockIdx.y, block_threads{});
 }
 
 template <int Unused = 0>
-__global__ void combine(const __grid_constant__ combine_args a, long long n) {
-  const long long i = global_thread();
-  if (i < n) ::kvq::cuda_detail::combine_thread(a, i);
+__global__ void combine(const __grid_constant__ kvq_combine_args a, float const* part_out, float const* part_max,
+                        float const* part_sum, float* out) {
+  ::kvq::kernels::combine_thread(a, part_out, part_max, part_sum, out, global_thread());
 }
 
 /// Blocks of `elementwise_threads` covering n threads.

@@ -18,15 +18,15 @@ namespace detail {
 /// The shader source in pieces of at most 12000 characters, in order.
 inline constexpr char const* metal_kernels_source_pieces[] = {
     R"kvq_msl(#line 1 "kvq/backend/metal/kernels.metal"
-// kvq: Metal kernels of the quantized KV cache: append (encode), read (decode) and decode attention
-// (flash decoding) for every kvq codec, written over kvq's shared codec math (kvq/detail/*.h).
+// kvq: Metal kernels of the quantized KV cache: entry points over the shared kernel bodies.
 //
-// The element math (rounding, scales, fp8/f16 conversions, KIVI parameters) is the scalar
-// reference's own code, shared with the CPU and CUDA backends; the kernels here only index, loop,
-// load and store. Encoded bytes and decoded values are meant to be identical to the CPU cache's
-// (cache.hpp) and attention to agree with kvq::decode_attention within fp32 rounding.
+// Every kernel below only reads its thread's position and calls one function of
+// core/kernel_bodies.h, the bodies that the CUDA kernels and the host tests run too; the element
+// math (rounding, scales, fp8/f16 conversions, KIVI parameters) is the scalar reference's own code
+// (kvq/detail/*.h). Encoded bytes and decoded values are the CPU cache's, and attention agrees
+// with kvq::decode_attention within fp32 rounding.
 //
-// Kernels (arguments: kvq_metal_args.h; buffer 0 is always the argument struct):
+// Kernels (arguments: core/kernel_args.h; buffer 0 is always the argument struct):
 //   kvq_encode_rows       encode rows of a row codec (keys or values) into the cache
 //   kvq_encode_key_tiles  encode KIVI key tiles (per channel over G tokens) into the cache
 //   kvq_store_f16_rows    store rows as f16 into the KIVI key residual / value window
@@ -34,14 +34,14 @@ inline constexpr char const* metal_kernels_source_pieces[] = {
 //   kvq_attention_partial partial attention state per (kv_head, split of the context)
 //   kvq_attention_combine merge the splits and normalise
 // The codec is a function constant (index 0; index 1 is the value codec of the attention), so
-// each pipeline is specialised and the codec switches below fold away.
+// each pipeline is specialised and the codec switches of the bodies fold away. Grids are
+// one-dimensional (the bodies take a linear thread index and bounds-check it), except the
+// attention's threadgroups.
 //
 // Numerics need fast math off: build the library with MTLCompileOptions mathMode = safe (or
 // fastMathEnabled = NO) and precise math functions, or `xcrun metal -fno-fast-math`; the pragmas
 // below also ask for no contraction of a*b+c into an FMA (kvq's mul_rn/add_rn rely on it).
 //
-// Pointers carry their address space (device / threadgroup / constant / thread). Threadgroup
-// barriers and SIMD-group reductions appear only in the kernel bodies, never in the shared math.
 // A host test compiles this file as C++ through a shim (tests/metal/metal_shim.hpp); the two
 // KVQ_METAL_* macros below are the only concessions to it.
 
@@ -51,6 +51,37 @@ inline constexpr char const* metal_kernels_source_pieces[] = {
 
 #include <metal_stdlib>
 using namespace metal;
+
+#line 1 "kvq/core/kernel_bodies.h"
+// kvq: the bodies of kvq's GPU kernels, written once for CUDA, Metal and C++ (C++14 subset).
+//
+// Each function below is the work of one GPU thread (or, for the attention, of one block) over
+// the arguments of core/kernel_args.h; the backends only wrap them in entry points that compute
+// the thread's position: `__global__` kernels in backend/cuda/kernels.cuh, `kernel` functions in
+// backend/metal/kernels.metal, and the host stand-ins of the tests, which run the very same code
+// on the CPU. The codec math is the scalar reference's own (detail/*.h), so encoded bytes and
+// decoded values are the CPU cache's by construction; the codec is a plain int that each backend
+// makes a compile-time constant (a CUDA template argument, a Metal function constant), so the
+// switches fold away.
+//
+// What the three languages do not share is kept to the macros below: the address space of a
+// pointer (Metal requires `device` / `threadgroup` on every pointer into buffers or block-shared
+// memory, C++ and CUDA have no such qualifier), the 64-bit integer type (Metal has `long`, no
+// `long long`), exp/tanh (Metal's precise:: functions), the hardware fp8 conversions of CUDA
+// sm_89+ (bit-identical to the software path) and the block barrier, which the attention takes
+// from its `Threads` policy (see attention_block). No lambdas, no `if constexpr`, no exceptions.
+//
+//   encode_rows_thread       one block of one row of a row codec (q8_0/q4_0: 32 channels; int8: a
+//                            row; f32/f16/fp8: a channel; KIVI values: a group of channels)
+//   encode_key_tiles_thread  one channel of one KIVI key tile of G tokens
+//   store_f16_rows_thread    one element of the KIVI key residual / value window (f16)
+//   decode_thread            one element of a token range of one kv_head, to f32, f16 or bf16
+//   attention_block          one block of flash-decoding attention: (split, kv_head and chunk of
+//                            its query heads) of one sequence
+//   combine_thread           merges the splits of one (sequence, query head, channel)
+// A `*_thread` function takes the linear index of its thread in a one-dimensional grid of
+// write_step::threads (or the decode / combine count) threads and returns at once past the end.
+
 
 #line 1 "kvq/detail/block_layouts.h"
 // kvq: the byte layouts of every codec's blocks, shared by every backend (C++14 subset).
@@ -260,7 +291,8 @@ KVQ_HOST_DEVICE float madd_f32(float a, float b, float c) {
   return __fmaf_rn(a, b, c);
 #elif defined(__METAL_VERSION__)
   return fma(a, b, c);
-#elif defined(__GNUC__) && (defined(__FP_FAST_FMAF) || defined(__FMA__) || defined(__ARM_FEATURE_FMA))
+)kvq_msl",
+    R"kvq_msl(#elif defined(__GNUC__) && (defined(__FP_FAST_FMAF) || defined(__FMA__) || defined(__ARM_FEATURE_FMA))
   return __builtin_fmaf(a, b, c);
 #else
   return fp_barrier(a * b) + c;
@@ -311,8 +343,7 @@ KVQ_HOST_DEVICE float round_half_away(float x) {
   const u32 u = f32_bits(x);
   const u32 a = u & 0x7fffffffu;
   if (a >= 0x4b000000u) return x;
-)kvq_msl",
-    R"kvq_msl(  if (a < 0x3f000000u) return f32_from_bits(u & 0x80000000u);
+  if (a < 0x3f000000u) return f32_from_bits(u & 0x80000000u);
   const int e = static_cast<int>(a >> 23) - 127;
   const u32 m = (a & 0x007fffffu) | 0x00800000u;
   const int shift = 23 - e;
@@ -356,7 +387,7 @@ KVQ_CONSTEXPR_VAR int kivi_group_header_bytes = 4;
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 36 "kvq/backend/metal/kernels.metal"
+#line 32 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_fp8.h"
 // kvq: element math of the FP8 codecs E4M3FN and E5M2 (C++14 subset; C++, CUDA, Metal).
 //
@@ -478,7 +509,7 @@ KVQ_HOST_DEVICE float e5m2_to_f32_scaled(u8 code, float scale) { return mul_rn(e
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 37 "kvq/backend/metal/kernels.metal"
+#line 33 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_ggml.h"
 // kvq: element math of ggml's q8_0 and q4_0 (C++14 subset; C++, CUDA, Metal).
 //
@@ -534,7 +565,8 @@ KVQ_HOST_DEVICE u16 f32_to_f16_bits(float x) {
   const u32 m = (a & 0x007fffffu) | 0x00800000u;
   const u32 shift = 126u - e;  // 14 .. 24
   u32 q = m >> shift;
-  const u32 rem = m & ((1u << shift) - 1u);
+)kvq_msl",
+    R"kvq_msl(  const u32 rem = m & ((1u << shift) - 1u);
   const u32 half = 1u << (shift - 1u);
   if (rem > half || (rem == half && (q & 1u))) ++q;
   return static_cast<u16>(sign | q);
@@ -590,8 +622,7 @@ KVQ_HOST_DEVICE f16 to_f16(float x) {
   return r;
 }
 
-)kvq_msl",
-    R"kvq_msl(/// Rounds a float to the nearest bf16 (ties to even).
+/// Rounds a float to the nearest bf16 (ties to even).
 KVQ_HOST_DEVICE bf16 to_bf16(float x) {
   bf16 r;
   r.bits = detail::f32_to_bf16_bits(x);
@@ -647,7 +678,7 @@ KVQ_HOST_DEVICE float q4_0_value(int nibble, float d) { return static_cast<float
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 38 "kvq/backend/metal/kernels.metal"
+#line 34 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_int8.h"
 // kvq: element math of the int8 symmetric per-(token, head) codec (C++14 subset).
 //
@@ -682,7 +713,7 @@ KVQ_HOST_DEVICE float int8_value(int q, float scale) { return static_cast<float>
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 39 "kvq/backend/metal/kernels.metal"
+#line 35 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_kivi.h"
 // kvq: element math of the KIVI codecs (C++14 subset; C++, CUDA, Metal).
 //
@@ -803,64 +834,64 @@ KVQ_HOST_DEVICE u8 kivi_pack(u8 byte, int code, int i, int bits) {
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 40 "kvq/backend/metal/kernels.metal"
-#line 41 "kvq/backend/metal/kernels.metal"
-#line 1 "kvq/backend/metal/kvq_metal_args.h"
-// kvq: the arguments of kvq's Metal kernels, shared by the shaders and the host (C++14 subset).
+#line 36 "kvq/core/kernel_bodies.h"
+#line 37 "kvq/core/kernel_bodies.h"
+#line 1 "kvq/core/kernel_args.h"
+// kvq: the arguments of kvq's GPU kernels, one definition for every backend (C++14 subset: C++,
+// CUDA and the Metal Shading Language compile it alike).
 //
-// Every kernel receives one of the structs below by value through `setBytes` at buffer index 0
-// (`constant kvq_metal_*_args& a [[buffer(0)]]`). They hold only fixed-width integers and floats,
-// ordered so that the Metal and the host compilers lay them out identically; their sizes are pinned
-// by static_assert. As in ggml's ggml-metal-impl.h, they live in the global namespace with a
-// `kvq_metal_` prefix, so shader and host spell them the same way.
-//
-// The second half of this file (between the "host-only" markers) is host C++20: it maps kvq's
-// codec types to kernel codec ids and plans the kernel launches of the Metal cache (append,
-// truncate, shift, attention). It is shared by backend/metal/metal_cache.hpp and the CPU test
-// harness of the kernels (tests/metal), and is left out of the embedded shader source.
+// The cache core (core/cache_core.hpp) plans every append, read, truncate and attention as kernel
+// launches over these structs; the CUDA kernels (backend/cuda) and the Metal kernels
+// (backend/metal) receive them unchanged, by value or through `setBytes`, and hand them to the
+// kernel bodies of core/kernel_bodies.h. The structs hold only fixed-width integers and floats
+// (no pointers: buffers travel beside them), ordered so that every compiler lays them out alike;
+// their sizes are pinned by static_assert. They live in the global namespace with a `kvq_` prefix,
+// outside kvq's per-ISA inline namespace, so that a CUDA `__global__` signature is the same in
+// nvcc's host and device passes and a Metal shader spells them as the host does.
 
 
-#line 16 "kvq/backend/metal/kvq_metal_args.h"
+#line 15 "kvq/core/kernel_args.h"
 
 #if !defined(__METAL_VERSION__)
 #  include <stdint.h>
 #endif
 
-/// Codec of a kernel, passed as Metal function constant 0 (keys, or the codec of a row kernel) and
-/// 1 (values, attention only), so every pipeline is specialised to its codecs.
-enum kvq_metal_codec : int32_t {
-  kvq_metal_f32 = 0,
-  kvq_metal_f16 = 1,
-  kvq_metal_q8_0 = 2,
-  kvq_metal_q4_0 = 3,
-  kvq_metal_int8 = 4,
-  kvq_metal_fp8_e4m3 = 5,
-  kvq_metal_fp8_e5m2 = 6,
-  kvq_metal_kivi_value2 = 7,  ///< KIVI values, per token, 2-bit
-  kvq_metal_kivi_value4 = 8,
-  kvq_metal_kivi_value8 = 9,
-  kvq_metal_kivi_key2 = 10,  ///< KIVI keys, per channel over tiles of G tokens, 2-bit
-  kvq_metal_kivi_key4 = 11,
-  kvq_metal_kivi_key8 = 12,
+/// Codec of a kernel: a template argument of the CUDA kernels, a function constant of the Metal
+)kvq_msl",
+    R"kvq_msl(/// pipelines, so every codec switch of the kernel bodies folds away.
+enum kvq_codec_id : int32_t {
+  kvq_codec_f32 = 0,
+  kvq_codec_f16 = 1,
+  kvq_codec_q8_0 = 2,
+  kvq_codec_q4_0 = 3,
+  kvq_codec_int8 = 4,
+  kvq_codec_fp8_e4m3 = 5,
+  kvq_codec_fp8_e5m2 = 6,
+  kvq_codec_kivi_value2 = 7,  ///< KIVI values, per token, 2-bit
+  kvq_codec_kivi_value4 = 8,
+  kvq_codec_kivi_value8 = 9,
+  kvq_codec_kivi_key2 = 10,  ///< KIVI keys, per channel over tiles of G tokens, 2-bit
+  kvq_codec_kivi_key4 = 11,
+  kvq_codec_kivi_key8 = 12,
 };
 
 /// Element type of a kernel's input (appended keys/values) or output (decoded rows).
-enum kvq_metal_elem : int32_t {
-  kvq_metal_elem_f32 = 0,
-  kvq_metal_elem_f16 = 1,
-  kvq_metal_elem_bf16 = 2,
-  kvq_metal_elem_f16_sat = 3,  ///< output only: f16 with finite values saturating to ±65504 (the KIVI residual)
+enum kvq_elem_type : int32_t {
+  kvq_elem_f32 = 0,
+  kvq_elem_f16 = 1,
+  kvq_elem_bf16 = 2,
+  kvq_elem_f16_sat = 3,  ///< output only: f16 with finite values saturating to ±65504 (the KIVI residual)
 };
 
-/// Where the keys (or values) of one layer live in the layer's buffer, and how they are encoded.
+/// Where the keys (or values) of one layer live in the layer's allocation, and how they are encoded.
 ///
-/// kv_head h's region starts at `head0 + h * head_stride`; it holds the encoded units (rows, or
-/// tiles of `group` tokens for KIVI keys) from byte 0 and, for KIVI, f16 residual rows of
+/// kv_head h's region starts at byte `head0 + h * head_stride`; it holds the encoded units (rows,
+/// or tiles of `group` tokens for KIVI keys) from byte 0 and, for KIVI, f16 residual rows of
 /// head_dim elements from byte `residual_offset`. Token t < quantized is in unit t (rows) or
 /// t / group (tiles); token t >= quantized is residual row
 /// (residual_first + t - quantized) % residual_rows (a ring for the KIVI values window).
-struct kvq_metal_region {
-  uint64_t head0;            ///< byte offset of kv_head 0's region in the layer buffer
+struct kvq_region {
+  uint64_t head0;            ///< byte offset of kv_head 0's region in the layer allocation
   uint64_t head_stride;      ///< bytes between the regions of consecutive kv_heads
   uint64_t residual_offset;  ///< byte offset, inside a region, of the f16 residual rows
   uint32_t unit_bytes;       ///< bytes per encoded row (row codecs) or tile (KIVI keys)
@@ -868,54 +899,54 @@ struct kvq_metal_region {
   int32_t quantized;         ///< tokens [0, quantized) are encoded units
   int32_t residual_rows;     ///< rows of the residual buffer (>= 1; the ring modulus)
   int32_t residual_first;    ///< residual row of token `quantized`
-)kvq_msl",
-    R"kvq_msl(  float fp8_scale;           ///< fp8 codecs: code = fp8(x / scale), value = fp8 * scale
+  float fp8_scale;           ///< fp8 codecs: code = fp8(x / scale), value = fp8 * scale
   int32_t fp8_saturate;      ///< fp8 codecs: 1 saturates overflow to ±max finite, 0 does not
   int32_t reserved;
 };
-static_assert(sizeof(kvq_metal_region) == 56, "kvq_metal_region must be 56 bytes on host and device");
+static_assert(sizeof(kvq_region) == 56, "kvq_region must be 56 bytes on every compiler");
 
-/// Where the rows of a batch come from (kernels that write the cache).
+/// Where the rows of a write batch come from.
 ///
 /// Batch row i of kv_head h is residual row (residual_first + i) % residual_rows of the
 /// destination region when i < from_residual (f16, already rounded), and otherwise input token
-/// first + i - from_residual: elements `(token * token_stride + h * head_stride + c)` of the input
-/// buffer, of type `type`, rounded to f16 first when `round_f16` (KIVI quantizes stored f16 values).
-struct kvq_metal_source {
+/// first + i - from_residual: element `(token * token_stride + h * head_stride + c)` of the input,
+/// of type `type`, rounded to f16 first when `round_f16` (KIVI quantizes stored f16 values).
+struct kvq_source {
   uint64_t token_stride;   ///< elements between consecutive tokens of the input
   uint64_t head_stride;    ///< elements between consecutive kv_heads of the input
-  int32_t type;            ///< kvq_metal_elem of the input
+  int32_t type;            ///< kvq_elem_type of the input
   int32_t first;           ///< input token of the first batch row that comes from the input
   int32_t from_residual;   ///< batch rows [0, from_residual) come from the residual rows
   int32_t residual_first;  ///< residual row of batch row 0
   int32_t round_f16;       ///< 1: input values are rounded to f16 before they are encoded
   int32_t reserved;
 };
-static_assert(sizeof(kvq_metal_source) == 40, "kvq_metal_source must be 40 bytes on host and device");
+static_assert(sizeof(kvq_source) == 40, "kvq_source must be 40 bytes on every compiler");
 
-/// Arguments of kvq_encode_rows, kvq_encode_key_tiles and kvq_store_f16_rows.
+/// Arguments of the write kernels (buffers: the layer allocation, the input).
 ///
-///   kvq_encode_rows:      grid (blocks, count * kv_heads); batch row i of head h -> unit first + i
-///   kvq_encode_key_tiles: grid (head_dim, count / G * kv_heads); tile j of head h holds batch rows
-///                         [jG, jG + G) -> tile first + j
-///   kvq_store_f16_rows:   grid (head_dim, count * kv_heads); batch row i of head h -> f16 residual
-///                         row (first + i) % residual_rows
-struct kvq_metal_write_args {
-  kvq_metal_region dst;
-  kvq_metal_source src;
+///   encode_rows:      threads (kv_heads, count, blocks); batch row i of head h -> unit first + i
+///   encode_key_tiles: threads (kv_heads, count / G, head_dim); tile j of head h holds batch rows
+///                     [jG, jG + G) -> tile first + j
+///   store_f16_rows:   threads (kv_heads, count, head_dim); batch row i of head h -> f16 residual
+///                     row (first + i) % residual_rows
+struct kvq_write_args {
+  kvq_region dst;
+  kvq_source src;
   int32_t head_dim;
   int32_t kv_heads;
   int32_t count;   ///< batch rows per kv_head
   int32_t first;   ///< destination unit (row or tile) or residual row of batch row 0
-  int32_t blocks;  ///< blocks per encoded row (the grid width of kvq_encode_rows)
+  int32_t blocks;  ///< blocks per encoded row (encode_rows)
   int32_t reserved;
 };
-static_assert(sizeof(kvq_metal_write_args) == 120, "kvq_metal_write_args must be 120 bytes on host and device");
+static_assert(sizeof(kvq_write_args) == 120, "kvq_write_args must be 120 bytes on every compiler");
 
-/// Arguments of kvq_decode: tokens [first, first + count) of one kv_head to rows of `out_type`,
-/// `out_stride` elements apart. Grid (head_dim, count).
-struct kvq_metal_decode_args {
-  kvq_metal_region src;
+/// Arguments of the decode kernel (buffers: the layer allocation, the output): tokens
+/// [first, first + count) of kv_head `head` to rows of `out_type`, `out_stride` elements apart.
+/// Threads (count, head_dim).
+struct kvq_decode_args {
+  kvq_region src;
   uint64_t out_stride;
   int32_t head_dim;
   int32_t head;
@@ -924,235 +955,326 @@ struct kvq_metal_decode_args {
   int32_t out_type;
   int32_t reserved;
 };
-static_assert(sizeof(kvq_metal_decode_args) == 88, "kvq_metal_decode_args must be 88 bytes on host and device");
+static_assert(sizeof(kvq_decode_args) == 88, "kvq_decode_args must be 88 bytes on every compiler");
 
-/// Arguments of kvq_attention_partial (flash decoding, one query token).
+/// One sequence of an attention launch: the codec state of its layer and its attended tokens.
+struct kvq_attention_seq {
+  int32_t key_quantized;         ///< the key region's `quantized`
+  int32_t value_quantized;       ///< the value region's `quantized`
+  int32_t value_residual_first;  ///< the value region's `residual_first`
+  int32_t begin;                 ///< first attended token
+  int32_t end;                   ///< one past the last attended token
+  int32_t reserved;
+};
+static_assert(sizeof(kvq_attention_seq) == 24, "kvq_attention_seq must be 24 bytes on every compiler");
+
+/// Arguments of the partial attention kernel (flash decoding, one query token per sequence).
 ///
-/// Threadgroups (splits, kv_heads * chunks); threadgroup (s, y) attends query heads
+/// Blocks (splits, kv_heads * chunks, sequences); block (s, y) of a sequence attends query heads
 /// [kv * group + chunk * heads, ... + heads) of kv_head kv = y / chunks (chunk = y % chunks,
-/// group = q_heads / kv_heads) to tokens [begin + s * split_tokens, min(end, ... + split_tokens)),
-/// `tile` tokens at a time, and writes the unnormalised partial state of each head: out
-/// (splits, q_heads, head_dim), max and sum (splits, q_heads).
-struct kvq_metal_attention_args {
-  kvq_metal_region key;
-  kvq_metal_region value;
+/// group = q_heads / kv_heads) to its tokens [begin + s * split_tokens, min(end, ... +
+/// split_tokens)), `tile` tokens at a time, and writes the unnormalised partial state of each
+/// head: out (splits, q_heads, head_dim), max and sum (splits, q_heads) per sequence. The query
+/// is (q_heads, head_dim) f32 per sequence.
+struct kvq_attention_args {
+  kvq_region key;    ///< `quantized` and `residual_first` come from the sequence
+  kvq_region value;  ///< idem
   int32_t head_dim;
   int32_t kv_heads;
   int32_t q_heads;
-  int32_t begin;
-  int32_t end;
   int32_t split_tokens;  ///< tokens per split (a multiple of tile)
   int32_t splits;
   int32_t tile;        ///< tokens decoded per step (<= 32)
-  int32_t heads;       ///< query heads per threadgroup
-  int32_t chunks;      ///< threadgroups per kv_head along the query heads
-  float scale;         ///< softmax scale (already resolved: never 0)
+  int32_t heads;       ///< query heads per block
+  int32_t chunks;      ///< blocks per kv_head along the query heads
+  float scale;         ///< softmax scale (resolved: never 0)
   float softcap;       ///< > 0: logit = softcap * tanh(logit / softcap)
-  int32_t query_q8_0;  ///< 1: the query is rounded to q8_0 (integer dots for q8_0/q4_0 keys)
+  int32_t query_q8_0;  ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
   int32_t probs_f16;   ///< 1: probabilities are rounded to f16 before they multiply V
 };
-static_assert(sizeof(kvq_metal_attention_args) == 168, "kvq_metal_attention_args must be 168 bytes on host and device");
+static_assert(sizeof(kvq_attention_args) == 160, "kvq_attention_args must be 160 bytes on every compiler");
 
-/// Arguments of kvq_attention_combine: merges `splits` partial states per query head in split
-/// order and writes the normalised output (q_heads, head_dim). Grid (head_dim, q_heads).
-struct kvq_metal_combine_args {
+/// Arguments of the combine kernel: merges `splits` partial states per (sequence, query head) in
+/// split order and writes the normalised output (batch, q_heads, head_dim). Threads
+/// (batch, q_heads, head_dim).
+struct kvq_combine_args {
   int32_t q_heads;
   int32_t head_dim;
   int32_t splits;
-  int32_t reserved;
+  int32_t batch;
 };
-static_assert(sizeof(kvq_metal_combine_args) == 16, "kvq_metal_combine_args must be 16 bytes on host and device");
+static_assert(sizeof(kvq_combine_args) == 16, "kvq_combine_args must be 16 bytes on every compiler");
 
-/// Offsets, in floats, of the threadgroup arrays of kvq_attention_partial, and their total.
-struct kvq_metal_attention_smem {
-  uint32_t q;       ///< (heads, head_dim) query, f32 (dequantized when the query is q8_0)
-  uint32_t o;       ///< (heads, head_dim) unnormalised output
-  uint32_t k;       ///< (tile, head_dim) decoded keys
-  uint32_t p;       ///< (heads, tile) logits
-  uint32_t w;       ///< (heads, tile) weights of the values (probabilities rescaled to the tile's max)
-  uint32_t m;       ///< (heads) running max
-  uint32_t l;       ///< (heads) running sum
-  uint32_t corr;    ///< (heads) rescale factor of the current tile
-  uint32_t qd;      ///< (heads, blocks) q8_0 query scales (query_q8_0 only)
-  uint32_t qcodes;  ///< (heads, blocks * 32) q8_0 query codes as bytes (query_q8_0 only)
-  uint32_t total;   ///< floats in all, a multiple of 4 (setThreadgroupMemoryLength wants 16-byte multiples)
+/// Offsets, in floats, of the block-shared arrays of the partial attention, and their total.
+struct kvq_attention_smem {
+  int32_t q;       ///< (heads, head_dim) query, f32 (dequantized when the query is q8_0)
+  int32_t o;       ///< (heads, head_dim) unnormalised output
+  int32_t k;       ///< (tile, head_dim + 1) decoded keys (rows padded: no bank conflicts)
+  int32_t p;       ///< (heads, tile) logits, then probabilities
+  int32_t w;       ///< (heads, tile) weights of the values (probabilities, f16-rounded on request)
+  int32_t m;       ///< (heads) running max
+  int32_t l;       ///< (heads) running sum
+  int32_t corr;    ///< (heads) rescale factor of the current tile
+  int32_t qd;      ///< (heads, blocks) q8_0 query scales (query_q8_0 only)
+  int32_t qcodes;  ///< (heads, blocks, 32) q8_0 query codes as bytes (query_q8_0 only)
+  int32_t total;   ///< floats in all, a multiple of 4 (Metal wants 16-byte multiples)
 };
 
-/// Threadgroup memory layout of kvq_attention_partial for a head_dim, tile, heads per threadgroup
-/// and query precision.
-inline kvq_metal_attention_smem kvq_metal_attention_layout(int32_t head_dim, int32_t tile, int32_t heads,
-                                                           int32_t query_q8_0) {
-  const uint32_t d = static_cast<uint32_t>(head_dim);
-  const uint32_t h = static_cast<uint32_t>(heads);
-  const uint32_t blocks = (d + 31u) / 32u;
-  kvq_metal_attention_smem s;
-  s.q = 0u;
-  s.o = s.q + h * d;
-  s.k = s.o + h * d;
-  s.p = s.k + static_cast<uint32_t>(tile) * d;
-  s.w = s.p + h * static_cast<uint32_t>(tile);
-  s.m = s.w + h * static_cast<uint32_t>(tile);
-  s.l = s.m + h;
-  s.corr = s.l + h;
-  s.qd = s.corr + h;
-  s.qcodes = s.qd + (query_q8_0 != 0 ? h * blocks : 0u);
-  const uint32_t end = s.qcodes + (query_q8_0 != 0 ? h * blocks * 8u : 0u);  // 32 bytes = 8 floats per block
-  s.total = (end + 3u) / 4u * 4u;
+/// Block-shared memory layout of the partial attention for a head_dim, tile, heads per block and
+/// query precision.
+KVQ_HOST_DEVICE kvq_attention_smem kvq_attention_smem_layout(int32_t head_dim, int32_t tile, int32_t heads,
+                                                             int32_t query_q8_0) {
+  const int32_t blocks = (head_dim + 31) / 32;
+  kvq_attention_smem s;
+  s.q = 0;
+  s.o = s.q + heads * head_dim;
+  s.k = s.o + heads * head_dim;
+  s.p = s.k + tile * (head_dim + 1);
+  s.w = s.p + heads * tile;
+  s.m = s.w + heads * tile;
+  s.l = s.m + heads;
+  s.corr = s.l + heads;
+  s.qd = s.corr + heads;
+  s.qcodes = s.qd + (query_q8_0 != 0 ? heads * blocks : 0);
+  const int32_t end = s.qcodes + (query_q8_0 != 0 ? heads * blocks * 8 : 0);  // 32 codes = 8 floats per block
+  s.total = (end + 3) / 4 * 4;
   return s;
 }
+#line 38 "kvq/core/kernel_bodies.h"
 
-#line 634 "kvq/backend/metal/kvq_metal_args.h"
-#line 42 "kvq/backend/metal/kernels.metal"
-
-#if !defined(KVQ_METAL_FUNCTION_CONSTANT)
-#  define KVQ_METAL_FUNCTION_CONSTANT(type, name, index) constant type name [[function_constant(index)]];
-#endif
-#if !defined(KVQ_METAL_THREADGROUP_BUFFER)
-#  define KVQ_METAL_THREADGROUP_BUFFER(index) [[threadgroup(index)]]
+#if !defined(__METAL_VERSION__)
+#  include <math.h>
 #endif
 
-/// The codec of a row kernel, or the key codec of the attention (a kvq_metal_codec).
-KVQ_METAL_FUNCTION_CONSTANT(int, kvq_codec, 0)
-/// The value codec of the attention (a kvq_metal_codec).
-KVQ_METAL_FUNCTION_CONSTANT(int, kvq_value_codec, 1)
+#if defined(__CUDACC__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+#  include <cuda_fp8.h>
+#  define KVQ_CUDA_HW_FP8 1
+#endif
 
-namespace kvq_msl {
+// Address spaces: Metal qualifies every pointer into buffers (`device`) and block-shared memory
+// (`threadgroup`), and kernel arguments live in `constant` memory; C++ and CUDA need none of it.
+#if defined(__METAL_VERSION__)
+#  define KVQ_GLOBAL device
+#  define KVQ_SHARED threadgroup
+#  define KVQ_ARG(T) constant T&
+#else
+#  define KVQ_GLOBAL
+#  define KVQ_SHARED
+#  define KVQ_ARG(T) T const&
+#endif
 
-namespace kd = kvq::detail;
+KVQ_NAMESPACE_BEGIN
+namespace kernels {
+
+namespace kd = ::kvq::detail;
+
+#if defined(__METAL_VERSION__)
+typedef long i64;  // Metal's 64-bit integer (it has no `long long`)
+#else
+typedef long long i64;
+#endif
+typedef kd::u8 u8;
+typedef kd::u16 u16;
+
+// ---- small helpers -------------------------------------------------------------------------------
 
 /// Reads a little-endian u16 from any byte address.
-inline uint ld_u16(device const uchar* p) { return uint(p[0]) | (uint(p[1]) << 8); }
+KVQ_HOST_DEVICE unsigned ld_u16(KVQ_GLOBAL const u8* p) {
+  return static_cast<unsigned>(p[0]) | (static_cast<unsigned>(p[1]) << 8);
+}
 
 /// Reads a little-endian u32 from any byte address.
-inline uint ld_u32(device const uchar* p) {
-  return uint(p[0]) | (uint(p[1]) << 8) | (uint(p[2]) << 16) | (uint(p[3]) << 24);
+KVQ_HOST_DEVICE unsigned ld_u32(KVQ_GLOBAL const u8* p) {
+  return static_cast<unsigned>(p[0]) | (static_cast<unsigned>(p[1]) << 8) | (static_cast<unsigned>(p[2]) << 16) |
+         (static_cast<unsigned>(p[3]) << 24);
 }
 
 /// Writes a little-endian u16 to any byte address.
-inline void st_u16(device uchar* p, uint v) {
-  p[0] = uchar(v & 0xffu);
-  p[1] = uchar((v >> 8) & 0xffu);
+KVQ_HOST_DEVICE void st_u16(KVQ_GLOBAL u8* p, unsigned v) {
+  p[0] = static_cast<u8>(v & 0xffu);
+  p[1] = static_cast<u8>((v >> 8) & 0xffu);
 }
 
 /// Writes a little-endian u32 to any byte address.
-inline void st_u32(device uchar* p, uint v) {
-  p[0] = uchar(v & 0xffu);
-  p[1] = uchar((v >> 8) & 0xffu);
-  p[2] = uchar((v >> 16) & 0xffu);
-  p[3] = uchar((v >> 24) & 0xffu);
+KVQ_HOST_DEVICE void st_u32(KVQ_GLOBAL u8* p, unsigned v) {
+  p[0] = static_cast<u8>(v & 0xffu);
+  p[1] = static_cast<u8>((v >> 8) & 0xffu);
+  p[2] = static_cast<u8>((v >> 16) & 0xffu);
+  p[3] = static_cast<u8>((v >> 24) & 0xffu);
 }
 
+/// The f16 value stored little-endian at p.
+KVQ_HOST_DEVICE float ld_f16(KVQ_GLOBAL const u8* p) { return kd::f16_bits_to_f32(static_cast<u16>(ld_u16(p))); }
+
 /// The signed value of a two's-complement byte.
-inline int sext8(uint b) { return int(b & 0xffu) - int((b & 0x80u) << 1); }
+KVQ_HOST_DEVICE int sext8(unsigned b) { return static_cast<int>(b & 0xffu) - static_cast<int>((b & 0x80u) << 1); }
 
-inline int imin(int a, int b) { return a < b ? a : b; }
+KVQ_HOST_DEVICE int imin(int a, int b) { return a < b ? a : b; }
 
-inline float neg_inf() { return kd::f32_from_bits(0xff800000u); }
+KVQ_HOST_DEVICE float neg_inf() { return kd::f32_from_bits(0xff800000u); }
 
-inline float quiet_nan() { return kd::f32_from_bits(0x7fc00000u); }
+KVQ_HOST_DEVICE float quiet_nan() { return kd::f32_from_bits(0x7fc00000u); }
 
 /// Rounds a float to f16 and back (round to nearest even; NaN stays NaN).
-inline float round_f16(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits(x)); }
+KVQ_HOST_DEVICE float round_f16(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits(x)); }
 
 /// Rounds a float to f16 and back as the KIVI residual stores it: finite values saturate to ±65504.
-inline float round_f16_satfinite(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits_satfinite(x)); }
+)kvq_msl",
+    R"kvq_msl(KVQ_HOST_DEVICE float round_f16_satfinite(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits_satfinite(x)); }
+
+/// e^x: the C library's expf on the host, CUDA's expf, Metal's precise::exp (never a fast form).
+KVQ_HOST_DEVICE float exp_f32(float x) {
+#if defined(__METAL_VERSION__)
+  return metal::precise::exp(x);
+#else
+  return expf(x);
+#endif
+}
+
+/// tanh(x), precise as exp_f32.
+KVQ_HOST_DEVICE float tanh_f32(float x) {
+#if defined(__METAL_VERSION__)
+  return metal::precise::tanh(x);
+#else
+  return tanhf(x);
+#endif
+}
 
 /// Bits of a KIVI codec.
-inline int kivi_bits(int codec) {
-  return (codec == kvq_metal_kivi_key2 || codec == kvq_metal_kivi_value2)   ? 2
-         : (codec == kvq_metal_kivi_key4 || codec == kvq_metal_kivi_value4) ? 4
+KVQ_HOST_DEVICE int kivi_bits(int codec) {
+  return (codec == kvq_codec_kivi_key2 || codec == kvq_codec_kivi_value2)   ? 2
+         : (codec == kvq_codec_kivi_key4 || codec == kvq_codec_kivi_value4) ? 4
                                                                             : 8;
 }
 
-inline bool is_kivi_key(int codec) { return codec >= kvq_metal_kivi_key2 && codec <= kvq_metal_kivi_key8; }
+KVQ_HOST_DEVICE bool is_kivi_key(int codec) { return codec >= kvq_codec_kivi_key2 && codec <= kvq_codec_kivi_key8; }
 
-/// Bytes of one element of a kvq_metal_elem type.
-inline ulong elem_bytes(int type) { return type == kvq_metal_elem_f32 ? 4ul : 2ul; }
+/// Bytes of one element of a kvq_elem_type.
+KVQ_HOST_DEVICE i64 elem_bytes(int type) { return type == kvq_elem_f32 ? 4 : 2; }
 
-/// Start of kv_head h's region of a layer buffer.
-inline device uchar* region_ptr(device uchar* layer, constant kvq_metal_region& r, int h) {
-  return layer + r.head0 + ulong(h) * r.head_stride;
+/// Start of kv_head h's region in a layer allocation.
+KVQ_HOST_DEVICE KVQ_GLOBAL u8* region_ptr(KVQ_GLOBAL u8* layer, kvq_region r, int h) {
+  return layer + static_cast<i64>(r.head0) + static_cast<i64>(h) * static_cast<i64>(r.head_stride);
 }
-inline device const uchar* region_ptr(device const uchar* layer, constant kvq_metal_region& r, int h) {
-  return layer + r.head0 + ulong(h) * r.head_stride;
+KVQ_HOST_DEVICE KVQ_GLOBAL const u8* region_ptr(KVQ_GLOBAL const u8* layer, kvq_region r, int h) {
+  return layer + static_cast<i64>(r.head0) + static_cast<i64>(h) * static_cast<i64>(r.head_stride);
 }
+
+// ---- fp8: hardware where it matches the shared software path bit for bit ------------------------
+
+/// E4M3FN code of x / scale (detail/math_fp8.h). On CUDA sm_89 and later the saturating conversion
+/// of a non-NaN quotient is the hardware `cvt.rn.satfinite.e4m3x2.f32`, which rounds to nearest
+/// even and clamps overflow and ±Inf to ±448 exactly as the software path; NaN (which the hardware
+/// may encode with its sign) and the non-saturating mode take the software path.
+KVQ_HOST_DEVICE u8 fp8_e4m3_encode(float x, float scale, bool saturate) {
+#if defined(KVQ_CUDA_HW_FP8)
+  const float y = kd::div_rn(x, scale);
+  if (saturate && !kd::is_nan_f32(y)) return static_cast<u8>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
+  return kd::f32_to_e4m3(y, saturate);
+#else
+  return kd::f32_to_e4m3_scaled(x, scale, saturate);
+#endif
+}
+
+/// E5M2 code of x / scale (see fp8_e4m3_encode; saturating maximum 57344).
+KVQ_HOST_DEVICE u8 fp8_e5m2_encode(float x, float scale, bool saturate) {
+#if defined(KVQ_CUDA_HW_FP8)
+  const float y = kd::div_rn(x, scale);
+  if (saturate && !kd::is_nan_f32(y)) return static_cast<u8>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E5M2));
+  return kd::f32_to_e5m2(y, saturate);
+#else
+  return kd::f32_to_e5m2_scaled(x, scale, saturate);
+#endif
+}
+
+/// Value of an E4M3FN code times scale. On CUDA sm_89 and later a finite code is widened by the
+/// exact hardware fp8 -> f16 conversion; NaN codes take the software path (kvq's canonical NaN).
+KVQ_HOST_DEVICE float fp8_e4m3_decode(u8 code, float scale) {
+#if defined(KVQ_CUDA_HW_FP8)
+  if ((code & 0x7fu) != 0x7fu) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+    return kd::mul_rn(kd::f16_bits_to_f32(static_cast<u16>(h.x)), scale);
+  }
+#endif
+  return kd::e4m3_to_f32_scaled(code, scale);
+}
+
+/// Value of an E5M2 code times scale (E5M2 is the top byte of an f16: a shift, on every device).
+KVQ_HOST_DEVICE float fp8_e5m2_decode(u8 code, float scale) { return kd::e5m2_to_f32_scaled(code, scale); }
+
+// ---- rows of input ---------------------------------------------------------------------------------
 
 /// A row of head_dim input values: its first element, element type and whether values pass
 /// through f16 first. Rows of an f16 residual are rows of type f16.
 struct row_ref {
-  device const uchar* p;
+  KVQ_GLOBAL const u8* p;
   int type;
   int round;
 };
 
-/// Value of channel c of a row, as the CPU cache reads it (load_f32, then f16 rounding for KIVI).
-inline float row_value(row_ref r, int c) {
+/// Value of channel c of a row, as the CPU cache reads it (widened to f32, then f16-rounded for
+/// KIVI). Rows are aligned to their element type (user input, f16 residual rows): typed loads.
+KVQ_HOST_DEVICE float row_value(row_ref r, int c) {
   float x;
-  if (r.type == kvq_metal_elem_f32) {
-    x = ((device const float*)r.p)[c];
+  if (r.type == kvq_elem_f32) {
+    x = reinterpret_cast<KVQ_GLOBAL const float*>(r.p)[c];
   } else {
-    const kd::u16 h = kd::u16(((device const ushort*)r.p)[c]);
-    x = r.type == kvq_metal_elem_f16 ? kd::f16_bits_to_f32(h) : kd::bf16_bits_to_f32(h);
+    const u16 h = reinterpret_cast<KVQ_GLOBAL const u16*>(r.p)[c];
+    x = r.type == kvq_elem_f16 ? kd::f16_bits_to_f32(h) : kd::bf16_bits_to_f32(h);
   }
   return r.round != 0 ? round_f16_satfinite(x) : x;
 }
 
-/// Batch row i of kv_head h of a write kernel (see kvq_metal_source).
-inline row_ref batch_row(constant kvq_metal_write_args& a, device const uchar* layer, device const uchar* input, int h,
-                         int i) {
+/// Batch row i of kv_head h of a write kernel (see kvq_source).
+KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8* layer, KVQ_GLOBAL const u8* input,
+                                  int h, int i) {
   row_ref r;
   if (i < a.src.from_residual) {
     const int row = (a.src.residual_first + i) % a.dst.residual_rows;
-    r.p = region_ptr(layer, a.dst, h) + a.dst.residual_offset + ulong(row) * ulong(a.head_dim) * 2ul;
-    r.type = kvq_metal_elem_f16;
+    r.p = region_ptr(layer, a.dst, h) + static_cast<i64>(a.dst.residual_offset) +
+          static_cast<i64>(row) * static_cast<i64>(a.head_dim) * 2;
+    r.type = kvq_elem_f16;
     r.round = 0;
   } else {
-    const ulong token = ulong(a.src.first + i - a.src.from_residual);
-    r.p = input + (token * a.src.token_stride + ulong(h) * a.src.head_stride) * elem_bytes(a.src.type);
+    const i64 token = static_cast<i64>(a.src.first + i - a.src.from_residual);
+    r.p = input +
+          (token * static_cast<i64>(a.src.token_stride) + static_cast<i64>(h) * static_cast<i64>(a.src.head_stride)) *
+              elem_bytes(a.src.type);
     r.type = a.src.type;
     r.round = a.src.round_f16;
   }
   return r;
 }
 
-// ------------------------------------------------------------------------------------------------
-// Encoders: one block of one row per thread (q8_0/q4_0: 32 channels; int8: the whole row;
-// f32/f16/fp8: one channel; KIVI values: one group of min(G, head_dim) channels).
+// ---- encoders ----------------------------------------------------------------------------------
 
-/// q8_0 scale d = amax/127 of channels [c0, c0 + n) of a row; `finite` is false when one is NaN/Inf.
-inline float q8_0_block_scale(row_ref x, int c0, int n, thread bool& finite) {
+/// Encodes block b (channels [32b, 32b + 32)) of a row as ggml block_q8_0 at blk (34 bytes); lanes
+/// past head_dim are padding with code 0. As q8_0::encode_block.
+KVQ_HOST_DEVICE void encode_q8_0(row_ref x, int head_dim, int b, KVQ_GLOBAL u8* blk) {
+  const int c0 = 32 * b;
+  const int n = imin(32, head_dim - c0);
   float amax = 0.0f;
-  bool fin = true;
+  bool finite = true;
   for (int j = 0; j < n; ++j) {
     const float v = row_value(x, c0 + j);
-    fin = fin && kd::is_finite_f32(v);
-    const float a = kd::abs_f32(v);
-    amax = a > amax ? a : amax;
+    finite = finite && kd::is_finite_f32(v);
+    const float av = kd::abs_f32(v);
+    amax = av > amax ? av : amax;
   }
-  finite = fin;
-  return kd::q8_0_scale(amax);
-}
-
-/// Encodes block b of a row as ggml block_q8_0 (34 bytes at blk); lanes past head_dim are padding.
-inline void encode_q8_0(row_ref x, int head_dim, int b, device uchar* blk) {
-  const int c0 = 32 * b;
-)kvq_msl",
-    R"kvq_msl(  const int n = imin(32, head_dim - c0);
-  bool finite = true;
-  const float d = q8_0_block_scale(x, c0, n, finite);
   if (!finite) {
     st_u16(blk, kd::poisoned_f16_scale);
-    for (int j = 0; j < 32; ++j) blk[2 + j] = uchar(0);
+    for (int j = 0; j < 32; ++j) blk[2 + j] = 0;
     return;
   }
+  const float d = kd::q8_0_scale(amax);
   const float id = kd::ggml_inverse_scale(d);
   st_u16(blk, kd::f32_to_f16_bits(d));
   for (int j = 0; j < 32; ++j)
-    blk[2 + j] = j < n ? uchar(uint(kd::q8_0_code(row_value(x, c0 + j), id)) & 0xffu) : uchar(0);
+    blk[2 + j] = j < n ? static_cast<u8>(static_cast<unsigned>(kd::q8_0_code(row_value(x, c0 + j), id)) & 0xffu) : 0;
 }
 
-/// Encodes block b of a row as ggml block_q4_0 (18 bytes at blk); lanes past head_dim are padding.
-inline void encode_q4_0(row_ref x, int head_dim, int b, device uchar* blk) {
+/// Encodes block b of a row as ggml block_q4_0 at blk (18 bytes). As q4_0::encode_block.
+KVQ_HOST_DEVICE void encode_q4_0(row_ref x, int head_dim, int b, KVQ_GLOBAL u8* blk) {
   const int c0 = 32 * b;
   const int n = imin(32, head_dim - c0);
   float amax = 0.0f;
@@ -1161,15 +1283,15 @@ inline void encode_q4_0(row_ref x, int head_dim, int b, device uchar* blk) {
   for (int j = 0; j < n; ++j) {
     const float v = row_value(x, c0 + j);
     finite = finite && kd::is_finite_f32(v);
-    const float a = kd::abs_f32(v);
-    if (amax < a) {
-      amax = a;
+    const float av = kd::abs_f32(v);
+    if (amax < av) {
+      amax = av;
       mx = v;
     }
   }
   if (!finite) {
     st_u16(blk, kd::poisoned_f16_scale);
-    for (int j = 0; j < 16; ++j) blk[2 + j] = uchar(0x88);
+    for (int j = 0; j < 16; ++j) blk[2 + j] = 0x88;
     return;
   }
   const float d = kd::q4_0_scale(mx);
@@ -1178,76 +1300,77 @@ inline void encode_q4_0(row_ref x, int head_dim, int b, device uchar* blk) {
   for (int j = 0; j < 16; ++j) {
     const int lo = kd::q4_0_code(j < n ? row_value(x, c0 + j) : 0.0f, id);
     const int hi = kd::q4_0_code(j + 16 < n ? row_value(x, c0 + j + 16) : 0.0f, id);
-    blk[2 + j] = uchar(uint(lo | (hi << 4)) & 0xffu);
+    blk[2 + j] = static_cast<u8>(static_cast<unsigned>(lo | (hi << 4)) & 0xffu);
   }
 }
 
-/// Encodes a whole row as int8 symmetric: fp32 scale then head_dim codes.
-inline void encode_int8(row_ref x, int head_dim, device uchar* row) {
+/// Encodes a whole row as int8 symmetric (fp32 scale, then head_dim codes). As int8_sym::encode_row.
+KVQ_HOST_DEVICE void encode_int8(row_ref x, int head_dim, KVQ_GLOBAL u8* row) {
   float amax = 0.0f;
   bool finite = true;
   for (int i = 0; i < head_dim; ++i) {
     const float v = row_value(x, i);
     finite = finite && kd::is_finite_f32(v);
-    const float a = kd::abs_f32(v);
-    amax = a > amax ? a : amax;
+    const float av = kd::abs_f32(v);
+    amax = av > amax ? av : amax;
   }
   const float scale = finite ? kd::int8_scale(amax) : kd::f32_from_bits(kd::int8_poisoned_scale_bits);
   st_u32(row, kd::f32_bits(scale));
   const bool coded = finite && scale != 0.0f;
   for (int i = 0; i < head_dim; ++i)
-    row[kd::int8_row_header_bytes + i] = coded ? uchar(uint(kd::int8_code(row_value(x, i), scale)) & 0xffu) : uchar(0);
+    row[kd::int8_row_header_bytes + i] =
+        coded ? static_cast<u8>(static_cast<unsigned>(kd::int8_code(row_value(x, i), scale)) & 0xffu) : 0;
 }
 
-/// Encodes group b (channels [b * gv, b * gv + gv), gv = min(G, head_dim)) of a row as a KIVI value
-/// block: fp16 scale, fp16 min, packed codes; lanes past head_dim are padding with code 0.
-inline void encode_kivi_value(row_ref x, int head_dim, int b, int group, int bits, device uchar* row) {
+/// Encodes group b (channels [b gv, b gv + gv), gv = min(G, head_dim)) of a row as a KIVI value
+/// block: fp16 scale, fp16 min, packed codes; pad lanes hold code 0. As kivi_value::encode_row.
+KVQ_HOST_DEVICE void encode_kivi_value(row_ref x, int head_dim, int b, int group, int bits, KVQ_GLOBAL u8* row) {
   const int gv = imin(group, head_dim);
   const int c0 = b * gv;
   const int n = imin(gv, head_dim - c0);
   const int code_bytes = (gv * bits + 7) / 8;
-  device uchar* blk = row + ulong(b) * ulong(kd::kivi_group_header_bytes + code_bytes);
+  KVQ_GLOBAL u8* blk = row + static_cast<i64>(b) * (kd::kivi_group_header_bytes + code_bytes);
   kd::kivi_range r = kd::kivi_range_empty();
   for (int i = 0; i < n; ++i) r = kd::kivi_range_add(r, row_value(x, c0 + i));
-  const kd::kivi_header h = kd::kivi_make_header(r, bits);
-  st_u16(blk, h.scale);
-  st_u16(blk + 2, h.min);
-  const float s = kd::f16_bits_to_f32(h.scale);
-  const float m = kd::f16_bits_to_f32(h.min);
+  const kd::kivi_header hd = kd::kivi_make_header(r, bits);
+  st_u16(blk, hd.scale);
+  st_u16(blk + 2, hd.min);
+  const float s = kd::f16_bits_to_f32(hd.scale);
+  const float m = kd::f16_bits_to_f32(hd.min);
   const int per_byte = 8 / bits;
   for (int j = 0; j < code_bytes; ++j) {
-    kd::u8 byte = 0;
+    u8 byte = 0;
     for (int k = 0; k < per_byte && r.finite; ++k) {
       const int i = j * per_byte + k;
       if (i < n) byte = kd::kivi_pack(byte, kd::kivi_code(row_value(x, c0 + i), s, m, bits), i, bits);
     }
-    blk[kd::kivi_group_header_bytes + j] = uchar(byte);
+    blk[kd::kivi_group_header_bytes + j] = byte;
   }
 }
 
-/// Encodes block b of a row of a row codec into `row`, the row's first byte.
-inline void encode_block(int codec, row_ref x, int head_dim, int b, constant kvq_metal_region& r, device uchar* row) {
+/// Encodes block b of a row of a row codec into `row` (the row's first byte).
+KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq_region r, KVQ_GLOBAL u8* row) {
   switch (codec) {
-    case kvq_metal_f32:
-      ((device uint*)row)[b] = kd::f32_bits(row_value(x, b));
+    case kvq_codec_f32:  // rows of 4 * head_dim bytes: aligned
+      reinterpret_cast<KVQ_GLOBAL kd::u32*>(row)[b] = kd::f32_bits(row_value(x, b));
       break;
-    case kvq_metal_f16:
-      ((device ushort*)row)[b] = ushort(kd::f32_to_f16_bits(row_value(x, b)));
+    case kvq_codec_f16:
+      reinterpret_cast<KVQ_GLOBAL u16*>(row)[b] = kd::f32_to_f16_bits(row_value(x, b));
       break;
-    case kvq_metal_q8_0:
-      encode_q8_0(x, head_dim, b, row + ulong(b) * sizeof(kd::block_q8_0));
+    case kvq_codec_q8_0:
+      encode_q8_0(x, head_dim, b, row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_q8_0)));
       break;
-    case kvq_metal_q4_0:
-      encode_q4_0(x, head_dim, b, row + ulong(b) * sizeof(kd::block_q4_0));
+    case kvq_codec_q4_0:
+      encode_q4_0(x, head_dim, b, row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_q4_0)));
       break;
-    case kvq_metal_int8:
+    case kvq_codec_int8:
       encode_int8(x, head_dim, row);
       break;
-    case kvq_metal_fp8_e4m3:
-      row[b] = uchar(kd::f32_to_e4m3_scaled(row_value(x, b), r.fp8_scale, r.fp8_saturate != 0));
+    case kvq_codec_fp8_e4m3:
+      row[b] = fp8_e4m3_encode(row_value(x, b), r.fp8_scale, r.fp8_saturate != 0);
       break;
-    case kvq_metal_fp8_e5m2:
-      row[b] = uchar(kd::f32_to_e5m2_scaled(row_value(x, b), r.fp8_scale, r.fp8_saturate != 0));
+    case kvq_codec_fp8_e5m2:
+      row[b] = fp8_e5m2_encode(row_value(x, b), r.fp8_scale, r.fp8_saturate != 0);
       break;
     default:  // KIVI values
       encode_kivi_value(x, head_dim, b, r.group, kivi_bits(codec), row);
@@ -1255,386 +1378,503 @@ inline void encode_block(int codec, row_ref x, int head_dim, int b, constant kvq
   }
 }
 
-// ------------------------------------------------------------------------------------------------
-// Decoders: one element (token t, channel c) of a kv_head's region.
+/// encode_rows: block b of batch row i of kv_head h, encoded into unit first + i.
+KVQ_HOST_DEVICE void encode_rows_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
+                                    KVQ_GLOBAL const u8* input, int h, int i, int b) {
+  KVQ_GLOBAL u8* row = region_ptr(layer, a.dst, h) + static_cast<i64>(a.first + i) * static_cast<i64>(a.dst.unit_bytes);
+  encode_block(codec, batch_row(a, layer, input, h, i), a.head_dim, b, a.dst, row);
+}
+
+/// encode_key_tiles: channel c of KIVI key tile first + j of kv_head h, its G values (batch rows
+/// [jG, jG + G)) quantized together. As kivi_key::encode_tile.
+KVQ_HOST_DEVICE void encode_key_tile_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
+                                        KVQ_GLOBAL const u8* input, int h, int j, int c) {
+  const int bits = kivi_bits(codec);
+  const int g = a.dst.group;
+  KVQ_GLOBAL u8* tile =
+      region_ptr(layer, a.dst, h) + static_cast<i64>(a.first + j) * static_cast<i64>(a.dst.unit_bytes);
+  kd::kivi_range range = kd::kivi_range_empty();
+  for (int t = 0; t < g; ++t) range = kd::kivi_range_add(range, row_value(batch_row(a, layer, input, h, j * g + t), c));
+  const kd::kivi_header hd = kd::kivi_make_header(range, bits);
+)kvq_msl",
+    R"kvq_msl(  st_u16(tile + 2 * static_cast<i64>(c), hd.scale);
+  st_u16(tile + 2 * (static_cast<i64>(a.head_dim) + c), hd.min);
+  const float s = kd::f16_bits_to_f32(hd.scale);
+  const float m = kd::f16_bits_to_f32(hd.min);
+  const int code_bytes = g * bits / 8;
+  const int per_byte = 8 / bits;
+  KVQ_GLOBAL u8* codes = tile + static_cast<i64>(kd::kivi_group_header_bytes) * a.head_dim +
+                         static_cast<i64>(code_bytes) * static_cast<i64>(c);
+  for (int k = 0; k < code_bytes; ++k) {
+    u8 byte = 0;
+    for (int e = 0; e < per_byte && range.finite; ++e) {
+      const int t = k * per_byte + e;
+      byte = kd::kivi_pack(byte, kd::kivi_code(row_value(batch_row(a, layer, input, h, j * g + t), c), s, m, bits), t,
+                           bits);
+    }
+    codes[k] = byte;
+  }
+}
+
+/// store_f16_rows: channel c of batch row i of kv_head h into f16 residual row
+/// (first + i) % residual_rows, saturating finite values to ±65504.
+KVQ_HOST_DEVICE void store_f16_at(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer, KVQ_GLOBAL const u8* input, int h,
+                                  int i, int c) {
+  const int row = (a.first + i) % a.dst.residual_rows;
+  KVQ_GLOBAL u16* res =
+      reinterpret_cast<KVQ_GLOBAL u16*>(region_ptr(layer, a.dst, h) + static_cast<i64>(a.dst.residual_offset));
+  res[static_cast<i64>(row) * a.head_dim + c] =
+      kd::f32_to_f16_bits_satfinite(row_value(batch_row(a, layer, input, h, i), c));
+}
+
+/// Thread `idx` of encode_rows: threads (kv_heads, count, blocks), blocks fastest.
+KVQ_HOST_DEVICE void encode_rows_thread(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
+                                        KVQ_GLOBAL const u8* input, i64 idx) {
+  const i64 per_head = static_cast<i64>(a.count) * a.blocks;
+  if (idx >= per_head * a.kv_heads) return;
+  const int h = static_cast<int>(idx / per_head);
+  const i64 rem = idx - static_cast<i64>(h) * per_head;
+  const int i = static_cast<int>(rem / a.blocks);
+  encode_rows_at(codec, a, layer, input, h, i, static_cast<int>(rem - static_cast<i64>(i) * a.blocks));
+}
+
+/// Thread `idx` of encode_key_tiles: threads (kv_heads, count / G, head_dim), channels fastest.
+KVQ_HOST_DEVICE void encode_key_tiles_thread(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
+                                             KVQ_GLOBAL const u8* input, i64 idx) {
+  const i64 per_head = static_cast<i64>(a.count / a.dst.group) * a.head_dim;
+  if (idx >= per_head * a.kv_heads) return;
+  const int h = static_cast<int>(idx / per_head);
+  const i64 rem = idx - static_cast<i64>(h) * per_head;
+  const int j = static_cast<int>(rem / a.head_dim);
+  encode_key_tile_at(codec, a, layer, input, h, j, static_cast<int>(rem - static_cast<i64>(j) * a.head_dim));
+}
+
+/// Thread `idx` of store_f16_rows: threads (kv_heads, count, head_dim), channels fastest.
+KVQ_HOST_DEVICE void store_f16_rows_thread(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer, KVQ_GLOBAL const u8* input,
+                                           i64 idx) {
+  const i64 per_head = static_cast<i64>(a.count) * a.head_dim;
+  if (idx >= per_head * a.kv_heads) return;
+  const int h = static_cast<int>(idx / per_head);
+  const i64 rem = idx - static_cast<i64>(h) * per_head;
+  const int i = static_cast<int>(rem / a.head_dim);
+  store_f16_at(a, layer, input, h, i, static_cast<int>(rem - static_cast<i64>(i) * a.head_dim));
+}
+
+// ---- decoders ----------------------------------------------------------------------------------
 
 /// Channel c of an encoded row of a row codec.
-inline float decode_row_element(int codec, device const uchar* row, int head_dim, int c, constant kvq_metal_region& r) {
+KVQ_HOST_DEVICE float decode_row_element(int codec, KVQ_GLOBAL const u8* row, int head_dim, int c, kvq_region r) {
   switch (codec) {
-    case kvq_metal_f32:
-      return ((device const float*)row)[c];
-    case kvq_metal_f16:
-      return kd::f16_bits_to_f32(kd::u16(((device const ushort*)row)[c]));
-    case kvq_metal_q8_0: {
-      device const uchar* blk = row + ulong(c / 32) * sizeof(kd::block_q8_0);
-      return kd::q8_0_value(sext8(blk[2 + c % 32]), kd::f16_bits_to_f32(kd::u16(ld_u16(blk))));
+    case kvq_codec_f32:
+      return reinterpret_cast<KVQ_GLOBAL const float*>(row)[c];
+    case kvq_codec_f16:
+      return kd::f16_bits_to_f32(reinterpret_cast<KVQ_GLOBAL const u16*>(row)[c]);
+    case kvq_codec_q8_0: {
+      KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c / 32) * static_cast<i64>(sizeof(kd::block_q8_0));
+      return kd::q8_0_value(sext8(blk[2 + c % 32]), ld_f16(blk));
     }
-    case kvq_metal_q4_0: {
-      device const uchar* blk = row + ulong(c / 32) * sizeof(kd::block_q4_0);
+    case kvq_codec_q4_0: {
+      KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c / 32) * static_cast<i64>(sizeof(kd::block_q4_0));
       const int j = c % 32;
-      const int nibble = j < 16 ? int(blk[2 + j] & 0x0fu) : int(blk[2 + j - 16] >> 4);
-      return kd::q4_0_value(nibble, kd::f16_bits_to_f32(kd::u16(ld_u16(blk))));
+      const int nibble = j < 16 ? static_cast<int>(blk[2 + j] & 0x0fu) : static_cast<int>(blk[2 + j - 16] >> 4);
+      return kd::q4_0_value(nibble, ld_f16(blk));
     }
-    case kvq_metal_int8:
+    case kvq_codec_int8:
       return kd::int8_value(sext8(row[kd::int8_row_header_bytes + c]), kd::f32_from_bits(ld_u32(row)));
-    case kvq_metal_fp8_e4m3:
-      return kd::e4m3_to_f32_scaled(kd::u8(row[c]), r.fp8_scale);
-    case kvq_metal_fp8_e5m2:
-      return kd::e5m2_to_f32_scaled(kd::u8(row[c]), r.fp8_scale);
+    case kvq_codec_fp8_e4m3:
+      return fp8_e4m3_decode(row[c], r.fp8_scale);
+    case kvq_codec_fp8_e5m2:
+      return fp8_e5m2_decode(row[c], r.fp8_scale);
     default: {  // KIVI values
       const int bits = kivi_bits(codec);
       const int gv = imin(r.group, head_dim);
       const int lane = c % gv;
-      device const uchar* blk = row + ulong(c / gv) * ulong(kd::kivi_group_header_bytes + (gv * bits + 7) / 8);
-      const int q =
-          kd::kivi_unpack(kd::u8(blk[kd::kivi_group_header_bytes + kd::kivi_code_byte(lane, bits)]), lane, bits);
-      return kd::kivi_value(q, kd::f16_bits_to_f32(kd::u16(ld_u16(blk))),
-                            kd::f16_bits_to_f32(kd::u16(ld_u16(blk + 2))));
+      KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c / gv) * (kd::kivi_group_header_bytes + (gv * bits + 7) / 8);
+      const int q = kd::kivi_unpack(blk[kd::kivi_group_header_bytes + kd::kivi_code_byte(lane, bits)], lane, bits);
+      return kd::kivi_value(q, ld_f16(blk), ld_f16(blk + 2));
     }
   }
 }
 
 /// Channel c of token t of the kv_head whose region starts at `reg`: an encoded row, a KIVI key
 /// tile, or an f16 residual row (t >= r.quantized).
-inline float decode_element(int codec, device const uchar* reg, constant kvq_metal_region& r, int head_dim, int t,
-                            int c) {
+KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, kvq_region r, int head_dim, int t, int c) {
   if (t >= r.quantized) {
     const int row = (r.residual_first + (t - r.quantized)) % r.residual_rows;
-    device const ushort* res = (device const ushort*)(reg + r.residual_offset);
-    return kd::f16_bits_to_f32(kd::u16(res[ulong(row) * ulong(head_dim) + ulong(c)]));
+    KVQ_GLOBAL const u16* res = reinterpret_cast<KVQ_GLOBAL const u16*>(reg + static_cast<i64>(r.residual_offset));
+    return kd::f16_bits_to_f32(res[static_cast<i64>(row) * head_dim + c]);
   }
   if (is_kivi_key(codec)) {
     const int bits = kivi_bits(codec);
     const int g = r.group;
     const int tt = t % g;
-    device const uchar* tile = reg + ulong(t / g) * r.unit_bytes;
-    const float s = kd::f16_bits_to_f32(kd::u16(ld_u16(tile + 2 * c)));
-    const float m = kd::f16_bits_to_f32(kd::u16(ld_u16(tile + 2 * (head_dim + c))));
-    device const uchar* codes = tile + ulong(kd::kivi_group_header_bytes * head_dim) + ulong(g * bits / 8) * ulong(c);
-    const int q = kd::kivi_unpack(kd::u8(codes[kd::kivi_code_byte(tt, bits)]), tt, bits);
+    KVQ_GLOBAL const u8* tile = reg + static_cast<i64>(t / g) * static_cast<i64>(r.unit_bytes);
+    const float s = ld_f16(tile + 2 * static_cast<i64>(c));
+    const float m = ld_f16(tile + 2 * (static_cast<i64>(head_dim) + c));
+    KVQ_GLOBAL const u8* codes = tile + static_cast<i64>(kd::kivi_group_header_bytes) * head_dim +
+                                 static_cast<i64>(g * bits / 8) * static_cast<i64>(c);
+    const int q = kd::kivi_unpack(codes[kd::kivi_code_byte(tt, bits)], tt, bits);
     return kd::kivi_value(q, s, m);
   }
-  return decode_row_element(codec, reg + ulong(t) * r.unit_bytes, head_dim, c, r);
+  return decode_row_element(codec, reg + static_cast<i64>(t) * static_cast<i64>(r.unit_bytes), head_dim, c, r);
 }
 
-/// Integer dot product of block b of a q8_0/q4_0 key row with a q8_0 query block (codes qc,
-/// scale dq), in ggml's order and rounding (as kvq::detail::dot_block).
-inline float block_dot(int codec, device const uchar* row, int b, threadgroup const int8_t* qc, float dq) {
-  int sumi = 0;
-  if (codec == kvq_metal_q8_0) {
-    device const uchar* blk = row + ulong(b) * sizeof(kd::block_q8_0);
-    for (int j = 0; j < 32; ++j) sumi += sext8(blk[2 + j]) * int(qc[j]);
-    const float dk = kd::f16_bits_to_f32(kd::u16(ld_u16(blk)));
-    return kd::mul_rn(float(sumi), kd::mul_rn(dk, dq));
-  }
-  device const uchar* blk = row + ulong(b) * sizeof(kd::block_q4_0);
-  for (int j = 0; j < 16; ++j) {
-    const int byte = int(blk[2 + j]);
-    sumi += ((byte & 0x0f) - 8) * int(qc[j]);
-    sumi += ((byte >> 4) - 8) * int(qc[j + 16]);
-  }
-  const float dk = kd::f16_bits_to_f32(kd::u16(ld_u16(blk)));
-  return kd::mul_rn(kd::mul_rn(float(sumi), dk), dq);
-}
-
-}  // namespace kvq_msl
-
-// ------------------------------------------------------------------------------------------------
-// Write kernels.
-
-/// dst unit (first + i) of kv_head h = encode(batch row i of h), block gid.x; gid.y = h * count + i.
-kernel void kvq_encode_rows(constant kvq_metal_write_args& a [[buffer(0)]], device uchar* layer [[buffer(1)]],
-                            device const uchar* input [[buffer(2)]], uint2 gid [[thread_position_in_grid]]) {
-  const int b = int(gid.x);
-  const int r = int(gid.y);
-  if (b >= a.blocks || r >= a.count * a.kv_heads) return;
-  const int h = r / a.count;
-  const int i = r % a.count;
-  const kvq_msl::row_ref x = kvq_msl::batch_row(a, layer, input, h, i);
-  device uchar* row = kvq_msl::region_ptr(layer, a.dst, h) + ulong(a.first + i) * a.dst.unit_bytes;
-  kvq_msl::encode_block(kvq_codec, x, a.head_dim, b, a.dst, row);
-}
-
-/// KIVI key tile (first + j) of kv_head h, channel c = gid.x: the G batch rows [jG, jG + G) of h
-/// quantized per channel; gid.y = h * tiles + j.
-kernel void kvq_encode_key_tiles(constant kvq_metal_write_args& a [[buffer(0)]], device uchar* layer [[buffer(1)]],
-                                 device const uchar* input [[buffer(2)]], uint2 gid [[thread_position_in_grid]]) {
-  namespace kd = kvq::detail;
-  const int g = a.dst.group;
-  const int tiles = a.count / g;
-  const int c = int(gid.x);
-  const int r = int(gid.y);
-  if (c >= a.head_dim || r >= tiles * a.kv_heads) return;
-  const int h = r / tiles;
-  const int j = r % tiles;
-  const int bits = kvq_msl::kivi_bits(kvq_codec);
-  device uchar* tile = kvq_msl::region_ptr(layer, a.dst, h) + ulong(a.first + j) * a.dst.unit_bytes;
-  kd::kivi_range range = kd::kivi_range_empty();
-  for (int t = 0; t < g; ++t)
-    range = kd::kivi_range_add(range, kvq_msl::row_value(kvq_msl::batch_row(a, layer, input, h, j * g + t), c));
-  const kd::kivi_header hd = kd::kivi_make_header(range, bits);
-  kvq_msl::st_u16(tile + 2 * c, hd.scale);
-  kvq_msl::st_u16(tile + 2 * (a.head_dim + c), hd.min);
-  const float s = kd::f16_bits_to_f32(hd.scale);
-  const float m = kd::f16_bits_to_f32(hd.min);
-  const int code_bytes = g * bits / 8;
-  const int per_byte = 8 / bits;
-  device uchar* codes = tile + ulong(kd::kivi_group_header_bytes * a.head_dim) + ulong(code_bytes) * ulong(c);
-  for (int k = 0; k < code_bytes; ++k) {
-    kd::u8 byte = 0;
-    for (int e = 0; e < per_byte && range.finite; ++e) {
-      const int t = k * per_byte + e;
-      const float v = kvq_msl::row_value(kvq_msl::batch_row(a, layer, input, h, j * g + t), c);
-      byte = kd::kivi_pack(byte, kd::kivi_code(v, s, m, bits), t, bits);
-    }
-    codes[k] = uchar(byte);
-  }
-}
-
-/// f16 residual row (first + i) % residual_rows of kv_head h, channel gid.x = f16(batch row i of h);
-/// gid.y = h * count + i.
-kernel void kvq_store_f16_rows(constant kvq_metal_write_args& a [[buffer(0)]], device uchar* layer [[buffer(1)]],
-                               device const uchar* input [[buffer(2)]], uint2 gid [[thread_position_in_grid]]) {
-  const int c = int(gid.x);
-  const int r = int(gid.y);
-  if (c >= a.head_dim || r >= a.count * a.kv_heads) return;
-  const int h = r / a.count;
-  const int i = r % a.count;
-  const int row = (a.first + i) % a.dst.residual_rows;
-)kvq_msl",
-    R"kvq_msl(  const float v = kvq_msl::row_value(kvq_msl::batch_row(a, layer, input, h, i), c);
-  device ushort* res = (device ushort*)(kvq_msl::region_ptr(layer, a.dst, h) + a.dst.residual_offset);
-  res[ulong(row) * ulong(a.head_dim) + ulong(c)] = ushort(kvq::detail::f32_to_f16_bits_satfinite(v));
-}
-
-// ------------------------------------------------------------------------------------------------
-// Read kernel.
-
-/// out[i * out_stride + c] = token (first + i), channel c of kv_head `head`; gid = (c, i).
-kernel void kvq_decode(constant kvq_metal_decode_args& a [[buffer(0)]], device const uchar* layer [[buffer(1)]],
-                       device uchar* out [[buffer(2)]], uint2 gid [[thread_position_in_grid]]) {
-  const int c = int(gid.x);
-  const int i = int(gid.y);
-  if (c >= a.head_dim || i >= a.count) return;
-  const float v =
-      kvq_msl::decode_element(kvq_codec, kvq_msl::region_ptr(layer, a.src, a.head), a.src, a.head_dim, a.first + i, c);
-  const ulong o = ulong(i) * a.out_stride + ulong(c);
-  if (a.out_type == kvq_metal_elem_f32) {
-    ((device float*)out)[o] = v;
-  } else if (a.out_type == kvq_metal_elem_f16) {
-    ((device ushort*)out)[o] = ushort(kvq::detail::f32_to_f16_bits(v));
-  } else if (a.out_type == kvq_metal_elem_f16_sat) {
-    ((device ushort*)out)[o] = ushort(kvq::detail::f32_to_f16_bits_satfinite(v));
+/// decode: channel c of token first + i of kv_head `head`, written as out_type at row i.
+KVQ_HOST_DEVICE void decode_at(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL const u8* layer, KVQ_GLOBAL u8* out,
+                               int i, int c) {
+  const float v = decode_element(codec, region_ptr(layer, a.src, a.head), a.src, a.head_dim, a.first + i, c);
+  const i64 o = static_cast<i64>(i) * static_cast<i64>(a.out_stride) + c;
+  if (a.out_type == kvq_elem_f32) {
+    reinterpret_cast<KVQ_GLOBAL float*>(out)[o] = v;  // outputs are aligned to their element type
+  } else if (a.out_type == kvq_elem_f16) {
+    reinterpret_cast<KVQ_GLOBAL u16*>(out)[o] = kd::f32_to_f16_bits(v);
+  } else if (a.out_type == kvq_elem_f16_sat) {
+    reinterpret_cast<KVQ_GLOBAL u16*>(out)[o] = kd::f32_to_f16_bits_satfinite(v);
   } else {
-    ((device ushort*)out)[o] = ushort(kvq::detail::f32_to_bf16_bits(v));
+    reinterpret_cast<KVQ_GLOBAL u16*>(out)[o] = kd::f32_to_bf16_bits(v);
   }
 }
 
-// ------------------------------------------------------------------------------------------------
-// Decode attention.
+/// Thread `idx` of decode: threads (count, head_dim), channels fastest.
+KVQ_HOST_DEVICE void decode_thread(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL const u8* layer,
+                                   KVQ_GLOBAL u8* out, i64 idx) {
+  if (idx >= static_cast<i64>(a.count) * a.head_dim) return;
+  const int i = static_cast<int>(idx / a.head_dim);
+  decode_at(codec, a, layer, out, i, static_cast<int>(idx - static_cast<i64>(i) * a.head_dim));
+}
 
-/// Partial attention of `heads` query heads of one kv_head over one split of the context.
+// ---- attention ---------------------------------------------------------------------------------
+
+/// Integer dot product of block b of a q8_0 or q4_0 key row with a q8_0 query block (codes qc,
+/// scale dq), as kvq::detail::dot_block: q8_0 sumi * (dk * dq), q4_0 (sumi * dk) * dq.
+KVQ_HOST_DEVICE float block_dot(int codec, KVQ_GLOBAL const u8* row, int b, KVQ_SHARED const int8_t* qc, float dq) {
+  int sumi = 0;
+  if (codec == kvq_codec_q8_0) {
+    KVQ_GLOBAL const u8* blk = row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_q8_0));
+    for (int j = 0; j < 32; ++j) sumi += sext8(blk[2 + j]) * static_cast<int>(qc[j]);
+    return kd::mul_rn(static_cast<float>(sumi), kd::mul_rn(ld_f16(blk), dq));
+  }
+  KVQ_GLOBAL const u8* blk = row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_q4_0));
+  for (int j = 0; j < 16; ++j) {
+    sumi += (static_cast<int>(blk[2 + j] & 0x0fu) - 8) * static_cast<int>(qc[j]);
+    sumi += (static_cast<int>(blk[2 + j] >> 4) - 8) * static_cast<int>(qc[j + 16]);
+  }
+  return kd::mul_rn(kd::mul_rn(static_cast<float>(sumi), ld_f16(blk)), dq);
+}
+
+/// True for the bits of -0.0f, the probability that marks a token with logit -Inf (weight 0, and
+/// skipped in P·V as kvq::attend_range skips it, so 0 * Inf in V makes no NaN).
+KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u; }
+
+/// One block of the partial attention (see kvq_attention_args): split bx and y = by of one
+/// sequence `sq`, whose query is `query` (q_heads, head_dim) and whose partial states go to
+/// part_out (splits, q_heads, head_dim), part_max and part_sum (splits, q_heads). `smem` holds
+/// kvq_attention_smem_layout(...).total floats.
 ///
-///   o[g] = sum_t exp(s[g,t] - m[g]) * V[t],  l[g] = sum_t exp(s[g,t] - m[g]),  m[g] = max_t s[g,t]
-///   s[g,t] = scale * q[g]·K[t] (soft-capped), t in the split; written unnormalised per split.
-/// Per tile of `tile` tokens: the threadgroup decodes the keys once into threadgroup memory, each
-/// SIMD-group computes whole logits (lanes over head_dim, simd_sum), then one SIMD-group per head
-/// updates the online softmax (simd_max, simd_sum), and each thread accumulates P·V for its
-/// channels, decoding every value element once for all the heads of the threadgroup.
-/// NaN/Inf as kvq::attend_range: NaN or +Inf logits make the head NaN, -Inf logits weigh 0.
-kernel void kvq_attention_partial(
-    constant kvq_metal_attention_args& a [[buffer(0)]], device const uchar* key_layer [[buffer(1)]],
-    device const uchar* value_layer [[buffer(2)]], device const float* query [[buffer(3)]],
-    device float* part_out [[buffer(4)]], device float* part_max [[buffer(5)]], device float* part_sum [[buffer(6)]],
-    threadgroup float* smem KVQ_METAL_THREADGROUP_BUFFER(0), uint2 tg [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]], uint threads [[threads_per_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]],
-    uint simdgroups [[simdgroups_per_threadgroup]], uint width [[threads_per_simdgroup]]) {
-  namespace kd = kvq::detail;
+/// `Threads` is the backend's view of the block's threads: `th.count()` threads take part;
+/// the calling GPU thread runs the work of threads th.tid(k) for k in [0, th.lanes()) (one on a
+/// GPU, all of them in turn in a CPU stand-in), and `th.barrier()` synchronises the block (a
+/// __syncthreads, a threadgroup_barrier, nothing on the CPU). Barriers are the one construct the
+/// languages do not share, so they come from the backend.
+///
+/// Per tile of `tile` tokens: the keys are decoded once into block memory (or, for the integer
+/// dots of a q8_0 query with q8_0/q4_0 keys, read in place), one thread per (head, token) computes
+/// a logit, one thread per head the online softmax of the tile (token by token, as
+/// kvq::attend_range), and one thread per channel accumulates P·V, decoding every value once for
+/// all heads of the block. NaN/Inf as
+/// kvq::attend_range: a NaN or +Inf logit makes the head NaN, a -Inf logit weighs 0.
+template <class Threads>
+KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq,
+                                     KVQ_GLOBAL const u8* key_layer, KVQ_GLOBAL const u8* value_layer,
+                                     KVQ_GLOBAL const float* query, KVQ_GLOBAL float* part_out,
+                                     KVQ_GLOBAL float* part_max, KVQ_GLOBAL float* part_sum, KVQ_SHARED float* smem,
+                                     int bx, int by, Threads th) {
   const int hd = a.head_dim;
   const int group = a.q_heads / a.kv_heads;
-  const int kv = int(tg.y) / a.chunks;
-  const int g0 = (int(tg.y) % a.chunks) * a.heads;
-  const int nh = kvq_msl::imin(a.heads, group - g0);
+  const int kv = by / a.chunks;
+  const int g0 = (by % a.chunks) * a.heads;
+  const int nh = imin(a.heads, group - g0);
   const int h0 = kv * group + g0;
-  const int split = int(tg.x);
-  const int t_begin = a.begin + split * a.split_tokens;
-  const int t_end = kvq_msl::imin(a.end, t_begin + a.split_tokens);
+  const int t_begin = sq.begin + bx * a.split_tokens;
+  const int t_end = imin(sq.end, t_begin + a.split_tokens);
   const int T = a.tile;
   const int nb = (hd + 31) / 32;
-  const int it = int(tid);
-  const int nt = int(threads);
-  const int il = int(lane);
-  const int nw = int(width);
-  const int kcodec = kvq_codec;
-  const int vcodec = kvq_value_codec;
-  const bool int_dot = a.query_q8_0 != 0 && (kcodec == kvq_metal_q8_0 || kcodec == kvq_metal_q4_0);
-  const float ninf = kvq_msl::neg_inf();
+  const int kstride = hd + 1;
+  const bool int_dot = a.query_q8_0 != 0 && (kcodec == kvq_codec_q8_0 || kcodec == kvq_codec_q4_0);
+  const float ninf = neg_inf();
+  const int nt = th.count();
+  const int lanes = th.lanes();
 
-  const kvq_metal_attention_smem L = kvq_metal_attention_layout(hd, T, a.heads, a.query_q8_0);
-  threadgroup float* q_s = smem + L.q;                                // (heads, hd)
-  threadgroup float* o_s = smem + L.o;                                // (heads, hd)
-  threadgroup float* k_s = smem + L.k;                                // (T, hd)
-  threadgroup float* p_s = smem + L.p;                                // (heads, T)
-  threadgroup float* w_s = smem + L.w;                                // (heads, T)
-  threadgroup float* m_s = smem + L.m;                                // (heads)
-  threadgroup float* l_s = smem + L.l;                                // (heads)
-  threadgroup float* c_s = smem + L.corr;                             // (heads)
-  threadgroup float* qd_s = smem + L.qd;                              // (heads, nb)
-  threadgroup int8_t* qc_s = (threadgroup int8_t*)(smem + L.qcodes);  // (heads, nb, 32)
-  device const uchar* kreg = kvq_msl::region_ptr(key_layer, a.key, kv);
-  device const uchar* vreg = kvq_msl::region_ptr(value_layer, a.value, kv);
+  kvq_region kr = a.key;
+  kr.quantized = sq.key_quantized;
+  kr.residual_first = 0;
+  kvq_region vr = a.value;
+  vr.quantized = sq.value_quantized;
+  vr.residual_first = sq.value_residual_first;
+  KVQ_GLOBAL const u8* kreg = region_ptr(key_layer, kr, kv);
+  KVQ_GLOBAL const u8* vreg = region_ptr(value_layer, vr, kv);
 
-  // The query heads of this threadgroup: as given, or rounded to q8_0 blocks (kept as codes too).
-  if (a.query_q8_0 != 0) {
-    for (int w = it; w < nh * nb; w += nt) {
-      const int g = w / nb;
-      const int b = w % nb;
-      kvq_msl::row_ref x;
-      x.p = (device const uchar*)(query + ulong(h0 + g) * ulong(hd));
-      x.type = kvq_metal_elem_f32;
-      x.round = 0;
-      const int c0 = 32 * b;
-      const int n = kvq_msl::imin(32, hd - c0);
-      bool finite = true;
-      const float d = kvq_msl::q8_0_block_scale(x, c0, n, finite);
-      const float id = finite ? kd::ggml_inverse_scale(d) : 0.0f;
-      const float dq = kd::f16_bits_to_f32(finite ? kd::f32_to_f16_bits(d) : kd::poisoned_f16_scale);
-      qd_s[g * nb + b] = dq;
-      for (int j = 0; j < 32; ++j) {
-        const int code = (finite && j < n) ? kd::q8_0_code(kvq_msl::row_value(x, c0 + j), id) : 0;
-        qc_s[(g * nb + b) * 32 + j] = int8_t(code);
-        if (j < n) q_s[g * hd + c0 + j] = kd::q8_0_value(code, dq);
+)kvq_msl",
+    R"kvq_msl(  const kvq_attention_smem L = kvq_attention_smem_layout(hd, T, a.heads, a.query_q8_0);
+  KVQ_SHARED float* q_s = smem + L.q;
+  KVQ_SHARED float* o_s = smem + L.o;
+  KVQ_SHARED float* k_s = smem + L.k;
+  KVQ_SHARED float* p_s = smem + L.p;
+  KVQ_SHARED float* w_s = smem + L.w;
+  KVQ_SHARED float* m_s = smem + L.m;
+  KVQ_SHARED float* l_s = smem + L.l;
+  KVQ_SHARED float* c_s = smem + L.corr;
+  KVQ_SHARED float* qd_s = smem + L.qd;
+  KVQ_SHARED int8_t* qc_s = reinterpret_cast<KVQ_SHARED int8_t*>(smem + L.qcodes);
+  KVQ_GLOBAL const float* qin = query + static_cast<i64>(h0) * hd;
+
+  // The query heads of this block: as given, or rounded to q8_0 blocks as q8_0::encode_row and
+  // decode_row do (codes kept for the integer dots).
+  for (int k = 0; k < lanes; ++k) {
+    const int tid = th.tid(k);
+    if (a.query_q8_0 != 0) {
+      for (int w = tid; w < nh * nb; w += nt) {
+        const int g = w / nb;
+        const int b = w % nb;
+        KVQ_GLOBAL const float* x = qin + static_cast<i64>(g) * hd;
+        const int c0 = 32 * b;
+        const int n = imin(32, hd - c0);
+        float amax = 0.0f;
+        bool finite = true;
+        for (int j = 0; j < n; ++j) {
+          finite = finite && kd::is_finite_f32(x[c0 + j]);
+          const float av = kd::abs_f32(x[c0 + j]);
+          amax = av > amax ? av : amax;
+        }
+        const float d = kd::q8_0_scale(amax);
+        const float id = finite ? kd::ggml_inverse_scale(d) : 0.0f;
+        const float dq = kd::f16_bits_to_f32(finite ? kd::f32_to_f16_bits(d) : kd::poisoned_f16_scale);
+        qd_s[g * nb + b] = dq;
+        for (int j = 0; j < 32; ++j) {
+          const int code = (finite && j < n) ? kd::q8_0_code(x[c0 + j], id) : 0;
+          qc_s[(g * nb + b) * 32 + j] = static_cast<int8_t>(code);
+          if (j < n) q_s[g * hd + c0 + j] = kd::q8_0_value(code, dq);
+        }
       }
+    } else {
+      for (int w = tid; w < nh * hd; w += nt) q_s[w] = qin[w];
     }
-  } else {
-    for (int w = it; w < nh * hd; w += nt) q_s[w] = query[ulong(h0) * ulong(hd) + ulong(w)];
+    for (int w = tid; w < nh * hd; w += nt) o_s[w] = 0.0f;
+    for (int w = tid; w < nh; w += nt) {
+      m_s[w] = ninf;
+      l_s[w] = 0.0f;
+    }
   }
-  for (int w = it; w < nh * hd; w += nt) o_s[w] = 0.0f;
-  for (int w = it; w < nh; w += nt) {
-    m_s[w] = ninf;
-    l_s[w] = 0.0f;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  th.barrier();
 
   for (int t0 = t_begin; t0 < t_end; t0 += T) {
-    const int n = kvq_msl::imin(T, t_end - t0);
+    const int n = imin(T, t_end - t0);
 
-    // Keys of the tile, decoded once for all heads.
+    // Keys of the tile, decoded once for all heads: k_s (n, hd + 1).
     if (!int_dot) {
-      for (int w = it; w < n * hd; w += nt)
-        k_s[w] = kvq_msl::decode_element(kcodec, kreg, a.key, hd, t0 + w / hd, w % hd);
-      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (int k = 0; k < lanes; ++k) {
+        for (int w = th.tid(k); w < n * hd; w += nt) {
+          const int i = w / hd;
+          const int c = w - i * hd;
+          k_s[i * kstride + c] = decode_element(kcodec, kreg, kr, hd, t0 + i, c);
+        }
+      }
+      th.barrier();
     }
 
-    // Logits: one SIMD-group per (head, token), lanes over channels (or q8_0 blocks).
-    for (int pr = int(sg); pr < nh * n; pr += int(simdgroups)) {
-      const int g = pr / n;
-      const int i = pr % n;
-      float part = 0.0f;
-      if (int_dot) {
-        device const uchar* row = kreg + ulong(t0 + i) * a.key.unit_bytes;
-        for (int b = il; b < nb; b += nw)
-          part += kvq_msl::block_dot(kcodec, row, b, qc_s + (g * nb + b) * 32, qd_s[g * nb + b]);
-      } else {
-        for (int c = il; c < hd; c += nw) part += q_s[g * hd + c] * k_s[i * hd + c];
-      }
-      const float dot = simd_sum(part);
-      if (il == 0) {
+    // Logits, one thread per (head, token); consecutive threads take consecutive tokens.
+    for (int k = 0; k < lanes; ++k) {
+      for (int w = th.tid(k); w < nh * n; w += nt) {
+        const int g = w / n;
+        const int i = w - g * n;
+        float dot = 0.0f;
+        if (int_dot) {
+          KVQ_GLOBAL const u8* row = kreg + static_cast<i64>(t0 + i) * static_cast<i64>(kr.unit_bytes);
+          for (int b = 0; b < nb; ++b)
+            dot = kd::add_rn(dot, block_dot(kcodec, row, b, qc_s + (g * nb + b) * 32, qd_s[g * nb + b]));
+        } else {
+          for (int c = 0; c < hd; ++c) dot += q_s[g * hd + c] * k_s[i * kstride + c];
+        }
         float s = dot * a.scale;
-        if (a.softcap > 0.0f) s = a.softcap * precise::tanh(s / a.softcap);
+        if (a.softcap > 0.0f) s = a.softcap * tanh_f32(s / a.softcap);
         p_s[g * T + i] = s;
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    th.barrier();
 
-    // Online softmax, as kvq::attend_range goes token by token: one SIMD-group per head, lanes
-    // over the tile's tokens. Token i's probability is taken against the running max after it,
-    // m_i = max(m, s_0 .. s_i), exactly where the reference takes it (so probabilities rounded to
-    // f16 are rounded at the same values), then rescaled by exp(m_i - m_new) to the tile's max.
-    for (int g = int(sg); g < nh; g += int(simdgroups)) {
-      const float m_old = m_s[g];
-      float mloc = ninf;
-      for (int i = il; i < n; i += nw) {
-        const float s = p_s[g * T + i];
-        mloc = s > mloc ? s : mloc;  // NaN logits take no part in the max
-      }
-      const float mt = simd_max(mloc);
-      const float m_new = mt > m_old ? mt : m_old;
-      float lsum = 0.0f;
-      for (int i = il; i < n; i += nw) {
-        float mi = m_old;
-        for (int j = 0; j <= i; ++j) {
-          const float sj = p_s[g * T + j];
-          mi = sj > mi ? sj : mi;
+    // Online softmax, one thread per head, token by token as kvq::attend_range goes: token i's
+    // probability e_i = exp(s_i - m_i) is taken against the running max after it,
+    // m_i = max(m_old, s_0 .. s_i) (so f16-rounded probabilities round the same values as the
+    // reference), then rescaled to the tile's max by exp(m_i - m_new). w_s gets the weights of
+    // the values (-0.0 marks a -Inf logit, skipped in P·V), c_s the rescale of what came before.
+    for (int k = 0; k < lanes; ++k) {
+      for (int g = th.tid(k); g < nh; g += nt) {
+        const float m_old = m_s[g];
+        float m_new = m_old;
+        for (int i = 0; i < n; ++i) {
+          const float s = p_s[g * T + i];
+          m_new = s > m_new ? s : m_new;  // NaN logits take no part in the max
         }
-        const float s = p_s[g * T + i];
-        const float p = s == ninf ? 0.0f : precise::exp(s - mi);  // NaN for NaN or +Inf logits
-        const float pv = a.probs_f16 != 0 ? kvq_msl::round_f16(p) : p;
-        const float rescale = (p == 0.0f || mi == m_new) ? 1.0f : precise::exp(mi - m_new);
-        lsum += p * rescale;
-        w_s[g * T + i] = pv * rescale;
-      }
-      const float tsum = simd_sum(lsum);
-      if (il == 0) {
-        const float corr = m_new == m_old ? 1.0f : (m_old == ninf ? 0.0f : precise::exp(m_old - m_new));
+        float mi = m_old;
+        float sum = 0.0f;
+        for (int i = 0; i < n; ++i) {
+          const float s = p_s[g * T + i];
+          mi = s > mi ? s : mi;
+          float wv = -0.0f;
+          if (s != ninf) {
+            const float e = exp_f32(s - mi);  // NaN for NaN or +Inf logits, which then propagates
+            const float rescale = mi == m_new ? 1.0f : exp_f32(mi - m_new);
+            sum += e * rescale;
+            wv = (a.probs_f16 != 0 ? round_f16(e) : e) * rescale;
+          }
+          w_s[g * T + i] = wv;
+        }
+        const float corr = m_old == ninf ? 0.0f : (m_new == m_old ? 1.0f : exp_f32(m_old - m_new));
         c_s[g] = corr;
-        l_s[g] = l_s[g] * corr + tsum;
+        l_s[g] = l_s[g] * corr + sum;
         m_s[g] = m_new;
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    th.barrier();
 
-    // P·V: each thread owns channels; every value element is decoded once for all heads.
-    for (int c = it; c < hd; c += nt) {
-      for (int g = 0; g < nh; ++g) o_s[g * hd + c] *= c_s[g];
-      for (int i = 0; i < n; ++i) {
-        const float v = kvq_msl::decode_element(vcodec, vreg, a.value, hd, t0 + i, c);
-        for (int g = 0; g < nh; ++g) o_s[g * hd + c] += w_s[g * T + i] * v;
+    // P·V per channel, every value element decoded once for all heads.
+    for (int k = 0; k < lanes; ++k) {
+      const int tid = th.tid(k);
+      for (int c = tid; c < hd; c += nt) {
+        for (int g = 0; g < nh; ++g) o_s[g * hd + c] *= c_s[g];
+        for (int i = 0; i < n; ++i) {
+          const float v = decode_element(vcodec, vreg, vr, hd, t0 + i, c);
+          for (int g = 0; g < nh; ++g) {
+            const float wv = w_s[g * T + i];
+            if (!is_skipped(wv)) o_s[g * hd + c] += wv * v;
+          }
+        }
       }
     }
-    // No barrier needed here: the next tile writes k_s and p_s, whose readers finished before the
-    // logits barrier, and w_s and c_s only after its own logits barrier, which every thread
+    // No barrier here: the next tile writes k_s and p_s, whose readers finished before the
+    // softmax barrier, and w_s and c_s only after its own logits barrier, which every thread
     // reaches after its P·V.
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // o_s channels are written out by other threads
+  th.barrier();  // o_s channels are written out by other threads
 
-  for (int w = it; w < nh * hd; w += nt)
-    part_out[(ulong(split) * ulong(a.q_heads) + ulong(h0 + w / hd)) * ulong(hd) + ulong(w % hd)] = o_s[w];
-  for (int w = it; w < nh; w += nt) {
-    part_max[ulong(split) * ulong(a.q_heads) + ulong(h0 + w)] = m_s[w];
-    part_sum[ulong(split) * ulong(a.q_heads) + ulong(h0 + w)] = l_s[w];
+  // The partial state of every head of the block.
+  for (int k = 0; k < lanes; ++k) {
+    const int tid = th.tid(k);
+    for (int w = tid; w < nh * hd; w += nt) {
+      const int g = w / hd;
+      part_out[(static_cast<i64>(bx) * a.q_heads + h0 + g) * hd + (w - g * hd)] = o_s[w];
+    }
+    for (int g = tid; g < nh; g += nt) {
+      part_max[static_cast<i64>(bx) * a.q_heads + h0 + g] = m_s[g];
+      part_sum[static_cast<i64>(bx) * a.q_heads + h0 + g] = l_s[g];
+    }
   }
 }
 
-/// out[h, c] = (merge over splits s, in order, of the partial states) normalised; heads that
-/// attended nothing output 0. The merge is kvq::combine: rescale by exp(m_s - m).
-kernel void kvq_attention_combine(constant kvq_metal_combine_args& a [[buffer(0)]],
-                                  device const float* part_out [[buffer(1)]],
-                                  device const float* part_max [[buffer(2)]],
-                                  device const float* part_sum [[buffer(3)]], device float* out [[buffer(4)]],
-                                  uint2 gid [[thread_position_in_grid]]) {
-  namespace kd = kvq::detail;
-  const int c = int(gid.x);
-  const int h = int(gid.y);
-  if (c >= a.head_dim || h >= a.q_heads) return;
-  const float ninf = kvq_msl::neg_inf();
+/// combine: channel c of query head h of sequence b. Merges the splits in order as kvq::combine
+/// and normalises as kvq::finalize (heads that attended nothing output 0).
+KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const float* part_out,
+                                KVQ_GLOBAL const float* part_max, KVQ_GLOBAL const float* part_sum,
+                                KVQ_GLOBAL float* out, int b, int h, int c) {
+  const float ninf = neg_inf();
   float m = ninf;
   float l = 0.0f;
   float o = 0.0f;
   for (int s = 0; s < a.splits; ++s) {
-    const ulong sh = ulong(s) * ulong(a.q_heads) + ulong(h);
+    const i64 sh = (static_cast<i64>(b) * a.splits + s) * a.q_heads + h;
     const float mb = part_max[sh];
     const float lb = part_sum[sh];
     if (mb == ninf && !kd::is_nan_f32(lb)) continue;  // the split attended nothing
-    const float mm = (kd::is_nan_f32(m) || kd::is_nan_f32(mb)) ? kvq_msl::quiet_nan() : (mb > m ? mb : m);
-    const float ca = m == ninf ? 0.0f : precise::exp(m - mm);
-    const float cb = precise::exp(mb - mm);
-    o = o * ca + part_out[sh * ulong(a.head_dim) + ulong(c)] * cb;
+    const float mm = (kd::is_nan_f32(m) || kd::is_nan_f32(mb)) ? quiet_nan() : (mb > m ? mb : m);
+    const float ca = m == ninf ? 0.0f : exp_f32(m - mm);
+    const float cb = exp_f32(mb - mm);
+    o = o * ca + part_out[sh * a.head_dim + c] * cb;
     l = l * ca + lb * cb;
     m = mm;
   }
-  out[ulong(h) * ulong(a.head_dim) + ulong(c)] = l == 0.0f ? 0.0f : o * (1.0f / l);
+  out[(static_cast<i64>(b) * a.q_heads + h) * a.head_dim + c] = l == 0.0f ? 0.0f : o * (1.0f / l);
+}
+
+/// Thread `idx` of combine: threads (batch, q_heads, head_dim), channels fastest.
+KVQ_HOST_DEVICE void combine_thread(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const float* part_out,
+                                    KVQ_GLOBAL const float* part_max, KVQ_GLOBAL const float* part_sum,
+                                    KVQ_GLOBAL float* out, i64 idx) {
+  const i64 per_seq = static_cast<i64>(a.q_heads) * a.head_dim;
+  if (idx >= per_seq * a.batch) return;
+  const int b = static_cast<int>(idx / per_seq);
+  const i64 rem = idx - static_cast<i64>(b) * per_seq;
+  const int h = static_cast<int>(rem / a.head_dim);
+  combine_at(a, part_out, part_max, part_sum, out, b, h, static_cast<int>(rem - static_cast<i64>(h) * a.head_dim));
+}
+
+}  // namespace kernels
+KVQ_NAMESPACE_END
+#line 36 "kvq/backend/metal/kernels.metal"
+
+#if !defined(KVQ_METAL_FUNCTION_CONSTANT)
+#  define KVQ_METAL_FUNCTION_CONSTANT(type, name, index) constant type name [[function_constant(index)]];
+#endif
+#if !defined(KVQ_METAL_THREADGROUP_BUFFER)
+#  define KVQ_METAL_THREADGROUP_BUFFER(index) [[threadgroup(index)]]
+#endif
+
+/// The codec of a row kernel, or the key codec of the attention (a kvq_codec_id).
+KVQ_METAL_FUNCTION_CONSTANT(int, kvq_codec, 0)
+/// The value codec of the attention (a kvq_codec_id).
+KVQ_METAL_FUNCTION_CONSTANT(int, kvq_value_codec, 1)
+
+/// The threads of a threadgroup as the attention body sees them: each thread runs its own work
+/// (one lane) and the barrier is a threadgroup barrier (the one construct the bodies cannot share).
+struct kvq_metal_threads {
+  int n;
+  int t;
+  int count() const { return n; }
+  int lanes() const { return 1; }
+  int tid(int) const { return t; }
+  void barrier() const { threadgroup_barrier(mem_flags::mem_threadgroup); }
+};
+
+kernel void kvq_encode_rows(constant kvq_write_args& a [[buffer(0)]], device uchar* layer [[buffer(1)]],
+                            device const uchar* input [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  kvq::kernels::encode_rows_thread(kvq_codec, a, layer, input, long(gid));
+}
+
+kernel void kvq_encode_key_tiles(constant kvq_write_args& a [[buffer(0)]], device uchar* layer [[buffer(1)]],
+                                 device const uchar* input [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  kvq::kernels::encode_key_tiles_thread(kvq_codec, a, layer, input, long(gid));
+}
+
+kernel void kvq_store_f16_rows(constant kvq_write_args& a [[buffer(0)]], device uchar* layer [[buffer(1)]],
+                               device const uchar* input [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  kvq::kernels::store_f16_rows_thread(a, layer, input, long(gid));
+}
+
+kernel void kvq_decode(constant kvq_decode_args& a [[buffer(0)]], device const uchar* layer [[buffer(1)]],
+                       device uchar* out [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  kvq::kernels::decode_thread(kvq_codec, a, layer, out, long(gid));
+}
+
+kernel void kvq_attention_partial(constant kvq_attention_args& a [[buffer(0)]],
+                                  constant kvq_attention_seq& seq [[buffer(1)]],
+                                  device const uchar* layer [[buffer(2)]], device const float* query [[buffer(3)]],
+                                  device float* part_out [[buffer(4)]], device float* part_max [[buffer(5)]],
+                                  device float* part_sum [[buffer(6)]],
+                                  threadgroup float* smem KVQ_METAL_THREADGROUP_BUFFER(0),
+                                  uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                                  uint threads [[threads_per_threadgroup]]) {
+  kvq_metal_threads th;
+  th.n = int(threads);
+  th.t = int(tid);
+  kvq::kernels::attention_block(kvq_codec, kvq_value_codec, a, seq, layer, layer, query, part_out, part_max, part_sum,
+                                smem, int(tg.x), int(tg.y), th);
+}
+
+kernel void kvq_attention_combine(constant kvq_combine_args& a [[buffer(0)]],
+                                  device const float* part_out [[buffer(1)]],
+                                  device const float* part_max [[buffer(2)]],
+                                  device const float* part_sum [[buffer(3)]], device float* out [[buffer(4)]],
+                                  uint gid [[thread_position_in_grid]]) {
+  kvq::kernels::combine_thread(a, part_out, part_max, part_sum, out, long(gid));
 }
 )kvq_msl",
 };

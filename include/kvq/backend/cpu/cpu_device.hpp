@@ -1,0 +1,239 @@
+// kvq: the CPU as a device of the cache core: host memory from a memory resource, and the plans
+// of core/plans.hpp run directly with the CPU kernels (the SIMD level of this translation unit,
+// backend/cpu/kernels.hpp).
+//
+// Rows are gathered per plan step (from the input, widened to f32, or from the f16 residual),
+// encoded by whole batches of rows or tiles, and decoded straight into the caller's memory.
+// Stateless apart from the memory resource: appends on different layers may run concurrently.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "../../core/cache_core.hpp"
+#include "../../memory_resource.hpp"
+#include "kernels.hpp"
+
+KVQ_NAMESPACE_BEGIN
+namespace detail {
+
+/// Largest finite f16 value.
+inline constexpr float f16_max = 65504.0f;
+
+/// Clips the finite elements of a row to [-65504, 65504] in place (NaN and ±Inf are kept), so that
+/// rounding it to f16 saturates instead of overflowing to ±Inf: the KIVI residual and window store
+/// finite inputs beyond the f16 range as ±65504, as the KIVI codec clips its parameters.
+inline void saturate_to_f16_range(float* row, std::int64_t n) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  for (std::int64_t i = 0; i < n; ++i) {
+    float const x = row[i];
+    if (x > f16_max && x != inf) row[i] = f16_max;
+    if (x < -f16_max && x != -inf) row[i] = -f16_max;
+  }
+}
+
+/// Narrows a float to the output element type (round to nearest even).
+template <element T>
+inline auto store_as(float x) -> T {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, f16>) {
+    return to_f16(x);
+  } else {
+    return to_bf16(x);
+  }
+}
+
+/// The run-time parameters of codec C as its region carries them (fp8 scale and overflow mode).
+template <codec C>
+auto params_of(kvq_region const& r) -> typename C::params_type {
+  typename C::params_type p{};
+  if constexpr (std::is_same_v<typename C::params_type, fp8_params>) {
+    p.scale = r.fp8_scale;
+    p.overflow = r.fp8_saturate != 0 ? fp8_overflow::saturate : fp8_overflow::no_saturate;
+  }
+  return p;
+}
+
+/// The cache core's device for host memory and the CPU kernels (see the file comment).
+class cpu_device {
+ public:
+  using backend_tag = cpu;
+  using stream_type = no_stream;
+  using layer_type = std::byte*;
+  using input_type = void const*;
+  using output_type = void*;
+  static constexpr char const* name = "cache";
+  static constexpr std::int64_t max_capacity = std::int64_t{1} << 40;
+
+  /// A device allocating from `memory` (nullptr: the default resource), which must outlive it.
+  explicit cpu_device(kvq::memory_resource* memory = nullptr)
+      : memory_(memory != nullptr ? memory : kvq::get_default_memory_resource()) {}
+
+  auto allocate(std::size_t bytes) -> std::byte* {
+    void* p = memory_->allocate(bytes, storage_alignment);
+    std::memset(p, 0, bytes);
+    return static_cast<std::byte*>(p);
+  }
+  void deallocate(std::byte* p, std::size_t bytes) noexcept { memory_->deallocate(p, bytes, storage_alignment); }
+  auto address(std::byte* layer) const noexcept -> std::byte* { return layer; }
+  auto output_at(std::byte* layer, std::size_t offset) const noexcept -> void* { return layer + offset; }
+  auto finish(no_stream) const noexcept -> device_status { return {}; }
+
+  /// Runs one write step of an append plan with the kernels of codec C.
+  template <codec C>
+  auto write(write_step const& s, std::byte* layer, void const* input, no_stream) const -> device_status {
+    kvq_write_args const& a = s.args;
+    int const d = a.head_dim;
+    auto const params = params_of<C>(a.dst);
+    if (s.kernel == write_kernel::encode_key_tiles) {
+      if constexpr (C::layout == codec_layout::token_group) {
+        int const g = a.dst.group;
+        detail::vector<float> tile(static_cast<std::size_t>(g) * static_cast<std::size_t>(d));
+        for (int h = 0; h < a.kv_heads; ++h) {
+          for (int j = 0; j < a.count / g; ++j) {
+            gather(a, layer, input, h, j * g, g, tile.data());
+            encode_tile<C>(tile.data(), d, d, unit(layer, a, h, a.first + j), params);
+          }
+        }
+      }
+      return {};
+    }
+    constexpr std::int64_t chunk = 64;  // rows widened to f32 per kernel call
+    detail::vector<float> rows(static_cast<std::size_t>(std::min<std::int64_t>(a.count, chunk)) *
+                               static_cast<std::size_t>(d));
+    for (int h = 0; h < a.kv_heads; ++h) {
+      for (int i0 = 0; i0 < a.count; i0 += static_cast<int>(chunk)) {
+        int const n = static_cast<int>(std::min<std::int64_t>(chunk, a.count - i0));
+        gather(a, layer, input, h, i0, n, rows.data());
+        if (s.kernel == write_kernel::encode_rows) {
+          if constexpr (C::layout == codec_layout::row)
+            cpu_kernels::encode_rows<C>(rows.data(), d, n, d, unit(layer, a, h, a.first + i0), a.dst.unit_bytes,
+                                        params);
+        } else {  // store_f16_rows
+          saturate_to_f16_range(rows.data(), static_cast<std::int64_t>(n) * d);
+          for (int i = 0; i < n; ++i)
+            cpu_kernels::convert_from_f32(rows.data() + static_cast<std::ptrdiff_t>(i) * d,
+                                          residual_row(layer, a.dst, h, (a.first + i0 + i) % a.dst.residual_rows, d),
+                                          d);
+        }
+      }
+    }
+    return {};
+  }
+
+  /// Decodes the tokens of a decode argument with the kernels of codec C, into `out`.
+  template <codec C>
+  auto decode(kvq_decode_args const& a, std::byte* layer, void* out, no_stream) const -> device_status {
+    int const d = a.head_dim;
+    auto const params = params_of<C>(a.src);
+    detail::vector<float> row(static_cast<std::size_t>(d));
+    for (int i = 0; i < a.count; ++i) {
+      decode_token<C>(a.src, layer, a.head, a.first + i, d, row.data(), params);
+      std::size_t const o = static_cast<std::size_t>(i) * a.out_stride;
+      switch (a.out_type) {
+        case kvq_elem_f32:
+          std::memcpy(static_cast<float*>(out) + o, row.data(), static_cast<std::size_t>(d) * sizeof(float));
+          break;
+        case kvq_elem_f16:
+          cpu_kernels::convert_from_f32(row.data(), static_cast<f16*>(out) + o, d);
+          break;
+        case kvq_elem_f16_sat:
+          saturate_to_f16_range(row.data(), d);  // a decoded KIVI group can reach 65536
+          cpu_kernels::convert_from_f32(row.data(), static_cast<f16*>(out) + o, d);
+          break;
+        default:
+          cpu_kernels::convert_from_f32(row.data(), static_cast<bf16*>(out) + o, d);
+          break;
+      }
+    }
+    return {};
+  }
+
+  /// Decodes token t of kv_head `head` of a region (an encoded unit or an f16 residual row) to f32.
+  template <codec C>
+  static void decode_token(kvq_region const& r, std::byte const* layer, int head, std::int64_t t, int d, float* y,
+                           typename C::params_type const& params) {
+    std::byte const* reg = layer + r.head0 + static_cast<std::size_t>(head) * r.head_stride;
+    if (t >= r.quantized) {
+      std::int64_t const row = (r.residual_first + (t - r.quantized)) % r.residual_rows;
+      cpu_kernels::convert_to_f32(reinterpret_cast<f16 const*>(reg + r.residual_offset) + row * d, y, d);
+    } else if constexpr (C::layout == codec_layout::token_group) {
+      auto const* tile =
+          reinterpret_cast<std::uint8_t const*>(reg) + static_cast<std::size_t>(t / r.group) * r.unit_bytes;
+      cpu_kernels::decode_tile_tokens<C>(tile, d, static_cast<int>(t % r.group), 1, y, d, params);
+    } else {
+      cpu_kernels::decode_rows<C>(
+          reinterpret_cast<std::uint8_t const*>(reg) + static_cast<std::size_t>(t) * r.unit_bytes, r.unit_bytes, 1, d,
+          y, d, params);
+    }
+  }
+
+  /// memmove of `m` inside every kv_head's region.
+  auto move(std::byte* layer, std::size_t region0, std::size_t head_stride, int kv_heads, byte_move const& m,
+            no_stream) const -> device_status {
+    if (m.bytes == 0 || m.src == m.dst) return {};
+    for (int h = 0; h < kv_heads; ++h) {
+      std::byte* reg = layer + region0 + static_cast<std::size_t>(h) * head_stride;
+      std::memmove(reg + m.dst, reg + m.src, m.bytes);
+    }
+    return {};
+  }
+
+  auto memory_resource() const noexcept -> kvq::memory_resource* { return memory_; }
+
+ private:
+  template <codec C>
+  static void encode_tile(float const* tile, std::ptrdiff_t stride, int d, std::uint8_t* dst,
+                          typename C::params_type const& params) {
+    cpu_kernels::encode_tile<C>(tile, stride, d, dst, params);
+  }
+
+  static auto unit(std::byte* layer, kvq_write_args const& a, int h, std::int64_t u) -> std::uint8_t* {
+    return reinterpret_cast<std::uint8_t*>(layer + a.dst.head0 + static_cast<std::size_t>(h) * a.dst.head_stride) +
+           static_cast<std::size_t>(u) * a.dst.unit_bytes;
+  }
+
+  static auto residual_row(std::byte* layer, kvq_region const& r, int h, std::int64_t row, int d) -> f16* {
+    return reinterpret_cast<f16*>(layer + r.head0 + static_cast<std::size_t>(h) * r.head_stride + r.residual_offset) +
+           row * d;
+  }
+
+  /// Batch rows [i0, i0 + n) of kv_head h of a write step as f32 rows of head_dim (see kvq_source):
+  /// residual rows, or input rows widened (and f16-rounded, saturating, when the step says so).
+  static void gather(kvq_write_args const& a, std::byte* layer, void const* input, int h, int i0, int n, float* out) {
+    int const d = a.head_dim;
+    for (int k = 0; k < n; ++k) {
+      int const i = i0 + k;
+      float* y = out + static_cast<std::ptrdiff_t>(k) * d;
+      if (i < a.src.from_residual) {
+        std::int64_t const row = (a.src.residual_first + i) % a.dst.residual_rows;
+        cpu_kernels::convert_to_f32(residual_row(layer, a.dst, h, row, d), y, d);
+        continue;
+      }
+      std::int64_t const token = a.src.first + i - a.src.from_residual;
+      std::int64_t const at = token * static_cast<std::int64_t>(a.src.token_stride) +
+                              static_cast<std::int64_t>(h) * static_cast<std::int64_t>(a.src.head_stride);
+      if (a.src.type == kvq_elem_f32) {
+        cpu_kernels::convert_to_f32(static_cast<float const*>(input) + at, y, d);
+      } else if (a.src.type == kvq_elem_f16) {
+        cpu_kernels::convert_to_f32(static_cast<f16 const*>(input) + at, y, d);
+      } else {
+        cpu_kernels::convert_to_f32(static_cast<bf16 const*>(input) + at, y, d);
+      }
+      if (a.src.round_f16 != 0) {
+        saturate_to_f16_range(y, d);  // finite beyond ±65504 -> ±65504, not Inf
+        for (int c = 0; c < d; ++c) y[c] = to_f32(to_f16(y[c]));
+      }
+    }
+  }
+
+  kvq::memory_resource* memory_;
+};
+
+}  // namespace detail
+KVQ_NAMESPACE_END

@@ -1,0 +1,202 @@
+// kvq: the arguments of kvq's GPU kernels, one definition for every backend (C++14 subset: C++,
+// CUDA and the Metal Shading Language compile it alike).
+//
+// The cache core (core/cache_core.hpp) plans every append, read, truncate and attention as kernel
+// launches over these structs; the CUDA kernels (backend/cuda) and the Metal kernels
+// (backend/metal) receive them unchanged, by value or through `setBytes`, and hand them to the
+// kernel bodies of core/kernel_bodies.h. The structs hold only fixed-width integers and floats
+// (no pointers: buffers travel beside them), ordered so that every compiler lays them out alike;
+// their sizes are pinned by static_assert. They live in the global namespace with a `kvq_` prefix,
+// outside kvq's per-ISA inline namespace, so that a CUDA `__global__` signature is the same in
+// nvcc's host and device passes and a Metal shader spells them as the host does.
+#pragma once
+
+#include "../detail/config.h"
+
+#if !defined(__METAL_VERSION__)
+#  include <stdint.h>
+#endif
+
+/// Codec of a kernel: a template argument of the CUDA kernels, a function constant of the Metal
+/// pipelines, so every codec switch of the kernel bodies folds away.
+enum kvq_codec_id : int32_t {
+  kvq_codec_f32 = 0,
+  kvq_codec_f16 = 1,
+  kvq_codec_q8_0 = 2,
+  kvq_codec_q4_0 = 3,
+  kvq_codec_int8 = 4,
+  kvq_codec_fp8_e4m3 = 5,
+  kvq_codec_fp8_e5m2 = 6,
+  kvq_codec_kivi_value2 = 7,  ///< KIVI values, per token, 2-bit
+  kvq_codec_kivi_value4 = 8,
+  kvq_codec_kivi_value8 = 9,
+  kvq_codec_kivi_key2 = 10,  ///< KIVI keys, per channel over tiles of G tokens, 2-bit
+  kvq_codec_kivi_key4 = 11,
+  kvq_codec_kivi_key8 = 12,
+};
+
+/// Element type of a kernel's input (appended keys/values) or output (decoded rows).
+enum kvq_elem_type : int32_t {
+  kvq_elem_f32 = 0,
+  kvq_elem_f16 = 1,
+  kvq_elem_bf16 = 2,
+  kvq_elem_f16_sat = 3,  ///< output only: f16 with finite values saturating to ±65504 (the KIVI residual)
+};
+
+/// Where the keys (or values) of one layer live in the layer's allocation, and how they are encoded.
+///
+/// kv_head h's region starts at byte `head0 + h * head_stride`; it holds the encoded units (rows,
+/// or tiles of `group` tokens for KIVI keys) from byte 0 and, for KIVI, f16 residual rows of
+/// head_dim elements from byte `residual_offset`. Token t < quantized is in unit t (rows) or
+/// t / group (tiles); token t >= quantized is residual row
+/// (residual_first + t - quantized) % residual_rows (a ring for the KIVI values window).
+struct kvq_region {
+  uint64_t head0;            ///< byte offset of kv_head 0's region in the layer allocation
+  uint64_t head_stride;      ///< bytes between the regions of consecutive kv_heads
+  uint64_t residual_offset;  ///< byte offset, inside a region, of the f16 residual rows
+  uint32_t unit_bytes;       ///< bytes per encoded row (row codecs) or tile (KIVI keys)
+  int32_t group;             ///< KIVI group size G (0 for the other codecs)
+  int32_t quantized;         ///< tokens [0, quantized) are encoded units
+  int32_t residual_rows;     ///< rows of the residual buffer (>= 1; the ring modulus)
+  int32_t residual_first;    ///< residual row of token `quantized`
+  float fp8_scale;           ///< fp8 codecs: code = fp8(x / scale), value = fp8 * scale
+  int32_t fp8_saturate;      ///< fp8 codecs: 1 saturates overflow to ±max finite, 0 does not
+  int32_t reserved;
+};
+static_assert(sizeof(kvq_region) == 56, "kvq_region must be 56 bytes on every compiler");
+
+/// Where the rows of a write batch come from.
+///
+/// Batch row i of kv_head h is residual row (residual_first + i) % residual_rows of the
+/// destination region when i < from_residual (f16, already rounded), and otherwise input token
+/// first + i - from_residual: element `(token * token_stride + h * head_stride + c)` of the input,
+/// of type `type`, rounded to f16 first when `round_f16` (KIVI quantizes stored f16 values).
+struct kvq_source {
+  uint64_t token_stride;   ///< elements between consecutive tokens of the input
+  uint64_t head_stride;    ///< elements between consecutive kv_heads of the input
+  int32_t type;            ///< kvq_elem_type of the input
+  int32_t first;           ///< input token of the first batch row that comes from the input
+  int32_t from_residual;   ///< batch rows [0, from_residual) come from the residual rows
+  int32_t residual_first;  ///< residual row of batch row 0
+  int32_t round_f16;       ///< 1: input values are rounded to f16 before they are encoded
+  int32_t reserved;
+};
+static_assert(sizeof(kvq_source) == 40, "kvq_source must be 40 bytes on every compiler");
+
+/// Arguments of the write kernels (buffers: the layer allocation, the input).
+///
+///   encode_rows:      threads (kv_heads, count, blocks); batch row i of head h -> unit first + i
+///   encode_key_tiles: threads (kv_heads, count / G, head_dim); tile j of head h holds batch rows
+///                     [jG, jG + G) -> tile first + j
+///   store_f16_rows:   threads (kv_heads, count, head_dim); batch row i of head h -> f16 residual
+///                     row (first + i) % residual_rows
+struct kvq_write_args {
+  kvq_region dst;
+  kvq_source src;
+  int32_t head_dim;
+  int32_t kv_heads;
+  int32_t count;   ///< batch rows per kv_head
+  int32_t first;   ///< destination unit (row or tile) or residual row of batch row 0
+  int32_t blocks;  ///< blocks per encoded row (encode_rows)
+  int32_t reserved;
+};
+static_assert(sizeof(kvq_write_args) == 120, "kvq_write_args must be 120 bytes on every compiler");
+
+/// Arguments of the decode kernel (buffers: the layer allocation, the output): tokens
+/// [first, first + count) of kv_head `head` to rows of `out_type`, `out_stride` elements apart.
+/// Threads (count, head_dim).
+struct kvq_decode_args {
+  kvq_region src;
+  uint64_t out_stride;
+  int32_t head_dim;
+  int32_t head;
+  int32_t first;
+  int32_t count;
+  int32_t out_type;
+  int32_t reserved;
+};
+static_assert(sizeof(kvq_decode_args) == 88, "kvq_decode_args must be 88 bytes on every compiler");
+
+/// One sequence of an attention launch: the codec state of its layer and its attended tokens.
+struct kvq_attention_seq {
+  int32_t key_quantized;         ///< the key region's `quantized`
+  int32_t value_quantized;       ///< the value region's `quantized`
+  int32_t value_residual_first;  ///< the value region's `residual_first`
+  int32_t begin;                 ///< first attended token
+  int32_t end;                   ///< one past the last attended token
+  int32_t reserved;
+};
+static_assert(sizeof(kvq_attention_seq) == 24, "kvq_attention_seq must be 24 bytes on every compiler");
+
+/// Arguments of the partial attention kernel (flash decoding, one query token per sequence).
+///
+/// Blocks (splits, kv_heads * chunks, sequences); block (s, y) of a sequence attends query heads
+/// [kv * group + chunk * heads, ... + heads) of kv_head kv = y / chunks (chunk = y % chunks,
+/// group = q_heads / kv_heads) to its tokens [begin + s * split_tokens, min(end, ... +
+/// split_tokens)), `tile` tokens at a time, and writes the unnormalised partial state of each
+/// head: out (splits, q_heads, head_dim), max and sum (splits, q_heads) per sequence. The query
+/// is (q_heads, head_dim) f32 per sequence.
+struct kvq_attention_args {
+  kvq_region key;    ///< `quantized` and `residual_first` come from the sequence
+  kvq_region value;  ///< idem
+  int32_t head_dim;
+  int32_t kv_heads;
+  int32_t q_heads;
+  int32_t split_tokens;  ///< tokens per split (a multiple of tile)
+  int32_t splits;
+  int32_t tile;        ///< tokens decoded per step (<= 32)
+  int32_t heads;       ///< query heads per block
+  int32_t chunks;      ///< blocks per kv_head along the query heads
+  float scale;         ///< softmax scale (resolved: never 0)
+  float softcap;       ///< > 0: logit = softcap * tanh(logit / softcap)
+  int32_t query_q8_0;  ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
+  int32_t probs_f16;   ///< 1: probabilities are rounded to f16 before they multiply V
+};
+static_assert(sizeof(kvq_attention_args) == 160, "kvq_attention_args must be 160 bytes on every compiler");
+
+/// Arguments of the combine kernel: merges `splits` partial states per (sequence, query head) in
+/// split order and writes the normalised output (batch, q_heads, head_dim). Threads
+/// (batch, q_heads, head_dim).
+struct kvq_combine_args {
+  int32_t q_heads;
+  int32_t head_dim;
+  int32_t splits;
+  int32_t batch;
+};
+static_assert(sizeof(kvq_combine_args) == 16, "kvq_combine_args must be 16 bytes on every compiler");
+
+/// Offsets, in floats, of the block-shared arrays of the partial attention, and their total.
+struct kvq_attention_smem {
+  int32_t q;       ///< (heads, head_dim) query, f32 (dequantized when the query is q8_0)
+  int32_t o;       ///< (heads, head_dim) unnormalised output
+  int32_t k;       ///< (tile, head_dim + 1) decoded keys (rows padded: no bank conflicts)
+  int32_t p;       ///< (heads, tile) logits, then probabilities
+  int32_t w;       ///< (heads, tile) weights of the values (probabilities, f16-rounded on request)
+  int32_t m;       ///< (heads) running max
+  int32_t l;       ///< (heads) running sum
+  int32_t corr;    ///< (heads) rescale factor of the current tile
+  int32_t qd;      ///< (heads, blocks) q8_0 query scales (query_q8_0 only)
+  int32_t qcodes;  ///< (heads, blocks, 32) q8_0 query codes as bytes (query_q8_0 only)
+  int32_t total;   ///< floats in all, a multiple of 4 (Metal wants 16-byte multiples)
+};
+
+/// Block-shared memory layout of the partial attention for a head_dim, tile, heads per block and
+/// query precision.
+KVQ_HOST_DEVICE kvq_attention_smem kvq_attention_smem_layout(int32_t head_dim, int32_t tile, int32_t heads,
+                                                             int32_t query_q8_0) {
+  const int32_t blocks = (head_dim + 31) / 32;
+  kvq_attention_smem s;
+  s.q = 0;
+  s.o = s.q + heads * head_dim;
+  s.k = s.o + heads * head_dim;
+  s.p = s.k + tile * (head_dim + 1);
+  s.w = s.p + heads * tile;
+  s.m = s.w + heads * tile;
+  s.l = s.m + heads;
+  s.corr = s.l + heads;
+  s.qd = s.corr + heads;
+  s.qcodes = s.qd + (query_q8_0 != 0 ? heads * blocks : 0);
+  const int32_t end = s.qcodes + (query_q8_0 != 0 ? heads * blocks * 8 : 0);  // 32 codes = 8 floats per block
+  s.total = (end + 3) / 4 * 4;
+  return s;
+}

@@ -1,0 +1,802 @@
+// kvq: the bodies of kvq's GPU kernels, written once for CUDA, Metal and C++ (C++14 subset).
+//
+// Each function below is the work of one GPU thread (or, for the attention, of one block) over
+// the arguments of core/kernel_args.h; the backends only wrap them in entry points that compute
+// the thread's position: `__global__` kernels in backend/cuda/kernels.cuh, `kernel` functions in
+// backend/metal/kernels.metal, and the host stand-ins of the tests, which run the very same code
+// on the CPU. The codec math is the scalar reference's own (detail/*.h), so encoded bytes and
+// decoded values are the CPU cache's by construction; the codec is a plain int that each backend
+// makes a compile-time constant (a CUDA template argument, a Metal function constant), so the
+// switches fold away.
+//
+// What the three languages do not share is kept to the macros below: the address space of a
+// pointer (Metal requires `device` / `threadgroup` on every pointer into buffers or block-shared
+// memory, C++ and CUDA have no such qualifier), the 64-bit integer type (Metal has `long`, no
+// `long long`), exp/tanh (Metal's precise:: functions), the hardware fp8 conversions of CUDA
+// sm_89+ (bit-identical to the software path) and the block barrier, which the attention takes
+// from its `Threads` policy (see attention_block). No lambdas, no `if constexpr`, no exceptions.
+//
+//   encode_rows_thread       one block of one row of a row codec (q8_0/q4_0: 32 channels; int8: a
+//                            row; f32/f16/fp8: a channel; KIVI values: a group of channels)
+//   encode_key_tiles_thread  one channel of one KIVI key tile of G tokens
+//   store_f16_rows_thread    one element of the KIVI key residual / value window (f16)
+//   decode_thread            one element of a token range of one kv_head, to f32, f16 or bf16
+//   attention_block          one block of flash-decoding attention: (split, kv_head and chunk of
+//                            its query heads) of one sequence
+//   combine_thread           merges the splits of one (sequence, query head, channel)
+// A `*_thread` function takes the linear index of its thread in a one-dimensional grid of
+// write_step::threads (or the decode / combine count) threads and returns at once past the end.
+#pragma once
+
+#include "../detail/block_layouts.h"
+#include "../detail/math_fp8.h"
+#include "../detail/math_ggml.h"
+#include "../detail/math_int8.h"
+#include "../detail/math_kivi.h"
+#include "../detail/numeric.h"
+#include "kernel_args.h"
+
+#if !defined(__METAL_VERSION__)
+#  include <math.h>
+#endif
+
+#if defined(__CUDACC__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+#  include <cuda_fp8.h>
+#  define KVQ_CUDA_HW_FP8 1
+#endif
+
+// Address spaces: Metal qualifies every pointer into buffers (`device`) and block-shared memory
+// (`threadgroup`), and kernel arguments live in `constant` memory; C++ and CUDA need none of it.
+#if defined(__METAL_VERSION__)
+#  define KVQ_GLOBAL device
+#  define KVQ_SHARED threadgroup
+#  define KVQ_ARG(T) constant T&
+#else
+#  define KVQ_GLOBAL
+#  define KVQ_SHARED
+#  define KVQ_ARG(T) T const&
+#endif
+
+KVQ_NAMESPACE_BEGIN
+namespace kernels {
+
+namespace kd = ::kvq::detail;
+
+#if defined(__METAL_VERSION__)
+typedef long i64;  // Metal's 64-bit integer (it has no `long long`)
+#else
+typedef long long i64;
+#endif
+typedef kd::u8 u8;
+typedef kd::u16 u16;
+
+// ---- small helpers -------------------------------------------------------------------------------
+
+/// Reads a little-endian u16 from any byte address.
+KVQ_HOST_DEVICE unsigned ld_u16(KVQ_GLOBAL const u8* p) {
+  return static_cast<unsigned>(p[0]) | (static_cast<unsigned>(p[1]) << 8);
+}
+
+/// Reads a little-endian u32 from any byte address.
+KVQ_HOST_DEVICE unsigned ld_u32(KVQ_GLOBAL const u8* p) {
+  return static_cast<unsigned>(p[0]) | (static_cast<unsigned>(p[1]) << 8) | (static_cast<unsigned>(p[2]) << 16) |
+         (static_cast<unsigned>(p[3]) << 24);
+}
+
+/// Writes a little-endian u16 to any byte address.
+KVQ_HOST_DEVICE void st_u16(KVQ_GLOBAL u8* p, unsigned v) {
+  p[0] = static_cast<u8>(v & 0xffu);
+  p[1] = static_cast<u8>((v >> 8) & 0xffu);
+}
+
+/// Writes a little-endian u32 to any byte address.
+KVQ_HOST_DEVICE void st_u32(KVQ_GLOBAL u8* p, unsigned v) {
+  p[0] = static_cast<u8>(v & 0xffu);
+  p[1] = static_cast<u8>((v >> 8) & 0xffu);
+  p[2] = static_cast<u8>((v >> 16) & 0xffu);
+  p[3] = static_cast<u8>((v >> 24) & 0xffu);
+}
+
+/// The f16 value stored little-endian at p.
+KVQ_HOST_DEVICE float ld_f16(KVQ_GLOBAL const u8* p) { return kd::f16_bits_to_f32(static_cast<u16>(ld_u16(p))); }
+
+/// The signed value of a two's-complement byte.
+KVQ_HOST_DEVICE int sext8(unsigned b) { return static_cast<int>(b & 0xffu) - static_cast<int>((b & 0x80u) << 1); }
+
+KVQ_HOST_DEVICE int imin(int a, int b) { return a < b ? a : b; }
+
+KVQ_HOST_DEVICE float neg_inf() { return kd::f32_from_bits(0xff800000u); }
+
+KVQ_HOST_DEVICE float quiet_nan() { return kd::f32_from_bits(0x7fc00000u); }
+
+/// Rounds a float to f16 and back (round to nearest even; NaN stays NaN).
+KVQ_HOST_DEVICE float round_f16(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits(x)); }
+
+/// Rounds a float to f16 and back as the KIVI residual stores it: finite values saturate to ±65504.
+KVQ_HOST_DEVICE float round_f16_satfinite(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits_satfinite(x)); }
+
+/// e^x: the C library's expf on the host, CUDA's expf, Metal's precise::exp (never a fast form).
+KVQ_HOST_DEVICE float exp_f32(float x) {
+#if defined(__METAL_VERSION__)
+  return metal::precise::exp(x);
+#else
+  return expf(x);
+#endif
+}
+
+/// tanh(x), precise as exp_f32.
+KVQ_HOST_DEVICE float tanh_f32(float x) {
+#if defined(__METAL_VERSION__)
+  return metal::precise::tanh(x);
+#else
+  return tanhf(x);
+#endif
+}
+
+/// Bits of a KIVI codec.
+KVQ_HOST_DEVICE int kivi_bits(int codec) {
+  return (codec == kvq_codec_kivi_key2 || codec == kvq_codec_kivi_value2)   ? 2
+         : (codec == kvq_codec_kivi_key4 || codec == kvq_codec_kivi_value4) ? 4
+                                                                            : 8;
+}
+
+KVQ_HOST_DEVICE bool is_kivi_key(int codec) { return codec >= kvq_codec_kivi_key2 && codec <= kvq_codec_kivi_key8; }
+
+/// Bytes of one element of a kvq_elem_type.
+KVQ_HOST_DEVICE i64 elem_bytes(int type) { return type == kvq_elem_f32 ? 4 : 2; }
+
+/// Start of kv_head h's region in a layer allocation.
+KVQ_HOST_DEVICE KVQ_GLOBAL u8* region_ptr(KVQ_GLOBAL u8* layer, kvq_region r, int h) {
+  return layer + static_cast<i64>(r.head0) + static_cast<i64>(h) * static_cast<i64>(r.head_stride);
+}
+KVQ_HOST_DEVICE KVQ_GLOBAL const u8* region_ptr(KVQ_GLOBAL const u8* layer, kvq_region r, int h) {
+  return layer + static_cast<i64>(r.head0) + static_cast<i64>(h) * static_cast<i64>(r.head_stride);
+}
+
+// ---- fp8: hardware where it matches the shared software path bit for bit ------------------------
+
+/// E4M3FN code of x / scale (detail/math_fp8.h). On CUDA sm_89 and later the saturating conversion
+/// of a non-NaN quotient is the hardware `cvt.rn.satfinite.e4m3x2.f32`, which rounds to nearest
+/// even and clamps overflow and ±Inf to ±448 exactly as the software path; NaN (which the hardware
+/// may encode with its sign) and the non-saturating mode take the software path.
+KVQ_HOST_DEVICE u8 fp8_e4m3_encode(float x, float scale, bool saturate) {
+#if defined(KVQ_CUDA_HW_FP8)
+  const float y = kd::div_rn(x, scale);
+  if (saturate && !kd::is_nan_f32(y)) return static_cast<u8>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
+  return kd::f32_to_e4m3(y, saturate);
+#else
+  return kd::f32_to_e4m3_scaled(x, scale, saturate);
+#endif
+}
+
+/// E5M2 code of x / scale (see fp8_e4m3_encode; saturating maximum 57344).
+KVQ_HOST_DEVICE u8 fp8_e5m2_encode(float x, float scale, bool saturate) {
+#if defined(KVQ_CUDA_HW_FP8)
+  const float y = kd::div_rn(x, scale);
+  if (saturate && !kd::is_nan_f32(y)) return static_cast<u8>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E5M2));
+  return kd::f32_to_e5m2(y, saturate);
+#else
+  return kd::f32_to_e5m2_scaled(x, scale, saturate);
+#endif
+}
+
+/// Value of an E4M3FN code times scale. On CUDA sm_89 and later a finite code is widened by the
+/// exact hardware fp8 -> f16 conversion; NaN codes take the software path (kvq's canonical NaN).
+KVQ_HOST_DEVICE float fp8_e4m3_decode(u8 code, float scale) {
+#if defined(KVQ_CUDA_HW_FP8)
+  if ((code & 0x7fu) != 0x7fu) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+    return kd::mul_rn(kd::f16_bits_to_f32(static_cast<u16>(h.x)), scale);
+  }
+#endif
+  return kd::e4m3_to_f32_scaled(code, scale);
+}
+
+/// Value of an E5M2 code times scale (E5M2 is the top byte of an f16: a shift, on every device).
+KVQ_HOST_DEVICE float fp8_e5m2_decode(u8 code, float scale) { return kd::e5m2_to_f32_scaled(code, scale); }
+
+// ---- rows of input ---------------------------------------------------------------------------------
+
+/// A row of head_dim input values: its first element, element type and whether values pass
+/// through f16 first. Rows of an f16 residual are rows of type f16.
+struct row_ref {
+  KVQ_GLOBAL const u8* p;
+  int type;
+  int round;
+};
+
+/// Value of channel c of a row, as the CPU cache reads it (widened to f32, then f16-rounded for
+/// KIVI). Rows are aligned to their element type (user input, f16 residual rows): typed loads.
+KVQ_HOST_DEVICE float row_value(row_ref r, int c) {
+  float x;
+  if (r.type == kvq_elem_f32) {
+    x = reinterpret_cast<KVQ_GLOBAL const float*>(r.p)[c];
+  } else {
+    const u16 h = reinterpret_cast<KVQ_GLOBAL const u16*>(r.p)[c];
+    x = r.type == kvq_elem_f16 ? kd::f16_bits_to_f32(h) : kd::bf16_bits_to_f32(h);
+  }
+  return r.round != 0 ? round_f16_satfinite(x) : x;
+}
+
+/// Batch row i of kv_head h of a write kernel (see kvq_source).
+KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8* layer, KVQ_GLOBAL const u8* input,
+                                  int h, int i) {
+  row_ref r;
+  if (i < a.src.from_residual) {
+    const int row = (a.src.residual_first + i) % a.dst.residual_rows;
+    r.p = region_ptr(layer, a.dst, h) + static_cast<i64>(a.dst.residual_offset) +
+          static_cast<i64>(row) * static_cast<i64>(a.head_dim) * 2;
+    r.type = kvq_elem_f16;
+    r.round = 0;
+  } else {
+    const i64 token = static_cast<i64>(a.src.first + i - a.src.from_residual);
+    r.p = input +
+          (token * static_cast<i64>(a.src.token_stride) + static_cast<i64>(h) * static_cast<i64>(a.src.head_stride)) *
+              elem_bytes(a.src.type);
+    r.type = a.src.type;
+    r.round = a.src.round_f16;
+  }
+  return r;
+}
+
+// ---- encoders ----------------------------------------------------------------------------------
+
+/// Encodes block b (channels [32b, 32b + 32)) of a row as ggml block_q8_0 at blk (34 bytes); lanes
+/// past head_dim are padding with code 0. As q8_0::encode_block.
+KVQ_HOST_DEVICE void encode_q8_0(row_ref x, int head_dim, int b, KVQ_GLOBAL u8* blk) {
+  const int c0 = 32 * b;
+  const int n = imin(32, head_dim - c0);
+  float amax = 0.0f;
+  bool finite = true;
+  for (int j = 0; j < n; ++j) {
+    const float v = row_value(x, c0 + j);
+    finite = finite && kd::is_finite_f32(v);
+    const float av = kd::abs_f32(v);
+    amax = av > amax ? av : amax;
+  }
+  if (!finite) {
+    st_u16(blk, kd::poisoned_f16_scale);
+    for (int j = 0; j < 32; ++j) blk[2 + j] = 0;
+    return;
+  }
+  const float d = kd::q8_0_scale(amax);
+  const float id = kd::ggml_inverse_scale(d);
+  st_u16(blk, kd::f32_to_f16_bits(d));
+  for (int j = 0; j < 32; ++j)
+    blk[2 + j] = j < n ? static_cast<u8>(static_cast<unsigned>(kd::q8_0_code(row_value(x, c0 + j), id)) & 0xffu) : 0;
+}
+
+/// Encodes block b of a row as ggml block_q4_0 at blk (18 bytes). As q4_0::encode_block.
+KVQ_HOST_DEVICE void encode_q4_0(row_ref x, int head_dim, int b, KVQ_GLOBAL u8* blk) {
+  const int c0 = 32 * b;
+  const int n = imin(32, head_dim - c0);
+  float amax = 0.0f;
+  float mx = 0.0f;
+  bool finite = true;
+  for (int j = 0; j < n; ++j) {
+    const float v = row_value(x, c0 + j);
+    finite = finite && kd::is_finite_f32(v);
+    const float av = kd::abs_f32(v);
+    if (amax < av) {
+      amax = av;
+      mx = v;
+    }
+  }
+  if (!finite) {
+    st_u16(blk, kd::poisoned_f16_scale);
+    for (int j = 0; j < 16; ++j) blk[2 + j] = 0x88;
+    return;
+  }
+  const float d = kd::q4_0_scale(mx);
+  const float id = kd::ggml_inverse_scale(d);
+  st_u16(blk, kd::f32_to_f16_bits(d));
+  for (int j = 0; j < 16; ++j) {
+    const int lo = kd::q4_0_code(j < n ? row_value(x, c0 + j) : 0.0f, id);
+    const int hi = kd::q4_0_code(j + 16 < n ? row_value(x, c0 + j + 16) : 0.0f, id);
+    blk[2 + j] = static_cast<u8>(static_cast<unsigned>(lo | (hi << 4)) & 0xffu);
+  }
+}
+
+/// Encodes a whole row as int8 symmetric (fp32 scale, then head_dim codes). As int8_sym::encode_row.
+KVQ_HOST_DEVICE void encode_int8(row_ref x, int head_dim, KVQ_GLOBAL u8* row) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < head_dim; ++i) {
+    const float v = row_value(x, i);
+    finite = finite && kd::is_finite_f32(v);
+    const float av = kd::abs_f32(v);
+    amax = av > amax ? av : amax;
+  }
+  const float scale = finite ? kd::int8_scale(amax) : kd::f32_from_bits(kd::int8_poisoned_scale_bits);
+  st_u32(row, kd::f32_bits(scale));
+  const bool coded = finite && scale != 0.0f;
+  for (int i = 0; i < head_dim; ++i)
+    row[kd::int8_row_header_bytes + i] =
+        coded ? static_cast<u8>(static_cast<unsigned>(kd::int8_code(row_value(x, i), scale)) & 0xffu) : 0;
+}
+
+/// Encodes group b (channels [b gv, b gv + gv), gv = min(G, head_dim)) of a row as a KIVI value
+/// block: fp16 scale, fp16 min, packed codes; pad lanes hold code 0. As kivi_value::encode_row.
+KVQ_HOST_DEVICE void encode_kivi_value(row_ref x, int head_dim, int b, int group, int bits, KVQ_GLOBAL u8* row) {
+  const int gv = imin(group, head_dim);
+  const int c0 = b * gv;
+  const int n = imin(gv, head_dim - c0);
+  const int code_bytes = (gv * bits + 7) / 8;
+  KVQ_GLOBAL u8* blk = row + static_cast<i64>(b) * (kd::kivi_group_header_bytes + code_bytes);
+  kd::kivi_range r = kd::kivi_range_empty();
+  for (int i = 0; i < n; ++i) r = kd::kivi_range_add(r, row_value(x, c0 + i));
+  const kd::kivi_header hd = kd::kivi_make_header(r, bits);
+  st_u16(blk, hd.scale);
+  st_u16(blk + 2, hd.min);
+  const float s = kd::f16_bits_to_f32(hd.scale);
+  const float m = kd::f16_bits_to_f32(hd.min);
+  const int per_byte = 8 / bits;
+  for (int j = 0; j < code_bytes; ++j) {
+    u8 byte = 0;
+    for (int k = 0; k < per_byte && r.finite; ++k) {
+      const int i = j * per_byte + k;
+      if (i < n) byte = kd::kivi_pack(byte, kd::kivi_code(row_value(x, c0 + i), s, m, bits), i, bits);
+    }
+    blk[kd::kivi_group_header_bytes + j] = byte;
+  }
+}
+
+/// Encodes block b of a row of a row codec into `row` (the row's first byte).
+KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq_region r, KVQ_GLOBAL u8* row) {
+  switch (codec) {
+    case kvq_codec_f32:  // rows of 4 * head_dim bytes: aligned
+      reinterpret_cast<KVQ_GLOBAL kd::u32*>(row)[b] = kd::f32_bits(row_value(x, b));
+      break;
+    case kvq_codec_f16:
+      reinterpret_cast<KVQ_GLOBAL u16*>(row)[b] = kd::f32_to_f16_bits(row_value(x, b));
+      break;
+    case kvq_codec_q8_0:
+      encode_q8_0(x, head_dim, b, row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_q8_0)));
+      break;
+    case kvq_codec_q4_0:
+      encode_q4_0(x, head_dim, b, row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_q4_0)));
+      break;
+    case kvq_codec_int8:
+      encode_int8(x, head_dim, row);
+      break;
+    case kvq_codec_fp8_e4m3:
+      row[b] = fp8_e4m3_encode(row_value(x, b), r.fp8_scale, r.fp8_saturate != 0);
+      break;
+    case kvq_codec_fp8_e5m2:
+      row[b] = fp8_e5m2_encode(row_value(x, b), r.fp8_scale, r.fp8_saturate != 0);
+      break;
+    default:  // KIVI values
+      encode_kivi_value(x, head_dim, b, r.group, kivi_bits(codec), row);
+      break;
+  }
+}
+
+/// encode_rows: block b of batch row i of kv_head h, encoded into unit first + i.
+KVQ_HOST_DEVICE void encode_rows_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
+                                    KVQ_GLOBAL const u8* input, int h, int i, int b) {
+  KVQ_GLOBAL u8* row = region_ptr(layer, a.dst, h) + static_cast<i64>(a.first + i) * static_cast<i64>(a.dst.unit_bytes);
+  encode_block(codec, batch_row(a, layer, input, h, i), a.head_dim, b, a.dst, row);
+}
+
+/// encode_key_tiles: channel c of KIVI key tile first + j of kv_head h, its G values (batch rows
+/// [jG, jG + G)) quantized together. As kivi_key::encode_tile.
+KVQ_HOST_DEVICE void encode_key_tile_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
+                                        KVQ_GLOBAL const u8* input, int h, int j, int c) {
+  const int bits = kivi_bits(codec);
+  const int g = a.dst.group;
+  KVQ_GLOBAL u8* tile =
+      region_ptr(layer, a.dst, h) + static_cast<i64>(a.first + j) * static_cast<i64>(a.dst.unit_bytes);
+  kd::kivi_range range = kd::kivi_range_empty();
+  for (int t = 0; t < g; ++t) range = kd::kivi_range_add(range, row_value(batch_row(a, layer, input, h, j * g + t), c));
+  const kd::kivi_header hd = kd::kivi_make_header(range, bits);
+  st_u16(tile + 2 * static_cast<i64>(c), hd.scale);
+  st_u16(tile + 2 * (static_cast<i64>(a.head_dim) + c), hd.min);
+  const float s = kd::f16_bits_to_f32(hd.scale);
+  const float m = kd::f16_bits_to_f32(hd.min);
+  const int code_bytes = g * bits / 8;
+  const int per_byte = 8 / bits;
+  KVQ_GLOBAL u8* codes = tile + static_cast<i64>(kd::kivi_group_header_bytes) * a.head_dim +
+                         static_cast<i64>(code_bytes) * static_cast<i64>(c);
+  for (int k = 0; k < code_bytes; ++k) {
+    u8 byte = 0;
+    for (int e = 0; e < per_byte && range.finite; ++e) {
+      const int t = k * per_byte + e;
+      byte = kd::kivi_pack(byte, kd::kivi_code(row_value(batch_row(a, layer, input, h, j * g + t), c), s, m, bits), t,
+                           bits);
+    }
+    codes[k] = byte;
+  }
+}
+
+/// store_f16_rows: channel c of batch row i of kv_head h into f16 residual row
+/// (first + i) % residual_rows, saturating finite values to ±65504.
+KVQ_HOST_DEVICE void store_f16_at(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer, KVQ_GLOBAL const u8* input, int h,
+                                  int i, int c) {
+  const int row = (a.first + i) % a.dst.residual_rows;
+  KVQ_GLOBAL u16* res =
+      reinterpret_cast<KVQ_GLOBAL u16*>(region_ptr(layer, a.dst, h) + static_cast<i64>(a.dst.residual_offset));
+  res[static_cast<i64>(row) * a.head_dim + c] =
+      kd::f32_to_f16_bits_satfinite(row_value(batch_row(a, layer, input, h, i), c));
+}
+
+/// Thread `idx` of encode_rows: threads (kv_heads, count, blocks), blocks fastest.
+KVQ_HOST_DEVICE void encode_rows_thread(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
+                                        KVQ_GLOBAL const u8* input, i64 idx) {
+  const i64 per_head = static_cast<i64>(a.count) * a.blocks;
+  if (idx >= per_head * a.kv_heads) return;
+  const int h = static_cast<int>(idx / per_head);
+  const i64 rem = idx - static_cast<i64>(h) * per_head;
+  const int i = static_cast<int>(rem / a.blocks);
+  encode_rows_at(codec, a, layer, input, h, i, static_cast<int>(rem - static_cast<i64>(i) * a.blocks));
+}
+
+/// Thread `idx` of encode_key_tiles: threads (kv_heads, count / G, head_dim), channels fastest.
+KVQ_HOST_DEVICE void encode_key_tiles_thread(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
+                                             KVQ_GLOBAL const u8* input, i64 idx) {
+  const i64 per_head = static_cast<i64>(a.count / a.dst.group) * a.head_dim;
+  if (idx >= per_head * a.kv_heads) return;
+  const int h = static_cast<int>(idx / per_head);
+  const i64 rem = idx - static_cast<i64>(h) * per_head;
+  const int j = static_cast<int>(rem / a.head_dim);
+  encode_key_tile_at(codec, a, layer, input, h, j, static_cast<int>(rem - static_cast<i64>(j) * a.head_dim));
+}
+
+/// Thread `idx` of store_f16_rows: threads (kv_heads, count, head_dim), channels fastest.
+KVQ_HOST_DEVICE void store_f16_rows_thread(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer, KVQ_GLOBAL const u8* input,
+                                           i64 idx) {
+  const i64 per_head = static_cast<i64>(a.count) * a.head_dim;
+  if (idx >= per_head * a.kv_heads) return;
+  const int h = static_cast<int>(idx / per_head);
+  const i64 rem = idx - static_cast<i64>(h) * per_head;
+  const int i = static_cast<int>(rem / a.head_dim);
+  store_f16_at(a, layer, input, h, i, static_cast<int>(rem - static_cast<i64>(i) * a.head_dim));
+}
+
+// ---- decoders ----------------------------------------------------------------------------------
+
+/// Channel c of an encoded row of a row codec.
+KVQ_HOST_DEVICE float decode_row_element(int codec, KVQ_GLOBAL const u8* row, int head_dim, int c, kvq_region r) {
+  switch (codec) {
+    case kvq_codec_f32:
+      return reinterpret_cast<KVQ_GLOBAL const float*>(row)[c];
+    case kvq_codec_f16:
+      return kd::f16_bits_to_f32(reinterpret_cast<KVQ_GLOBAL const u16*>(row)[c]);
+    case kvq_codec_q8_0: {
+      KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c / 32) * static_cast<i64>(sizeof(kd::block_q8_0));
+      return kd::q8_0_value(sext8(blk[2 + c % 32]), ld_f16(blk));
+    }
+    case kvq_codec_q4_0: {
+      KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c / 32) * static_cast<i64>(sizeof(kd::block_q4_0));
+      const int j = c % 32;
+      const int nibble = j < 16 ? static_cast<int>(blk[2 + j] & 0x0fu) : static_cast<int>(blk[2 + j - 16] >> 4);
+      return kd::q4_0_value(nibble, ld_f16(blk));
+    }
+    case kvq_codec_int8:
+      return kd::int8_value(sext8(row[kd::int8_row_header_bytes + c]), kd::f32_from_bits(ld_u32(row)));
+    case kvq_codec_fp8_e4m3:
+      return fp8_e4m3_decode(row[c], r.fp8_scale);
+    case kvq_codec_fp8_e5m2:
+      return fp8_e5m2_decode(row[c], r.fp8_scale);
+    default: {  // KIVI values
+      const int bits = kivi_bits(codec);
+      const int gv = imin(r.group, head_dim);
+      const int lane = c % gv;
+      KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c / gv) * (kd::kivi_group_header_bytes + (gv * bits + 7) / 8);
+      const int q = kd::kivi_unpack(blk[kd::kivi_group_header_bytes + kd::kivi_code_byte(lane, bits)], lane, bits);
+      return kd::kivi_value(q, ld_f16(blk), ld_f16(blk + 2));
+    }
+  }
+}
+
+/// Channel c of token t of the kv_head whose region starts at `reg`: an encoded row, a KIVI key
+/// tile, or an f16 residual row (t >= r.quantized).
+KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, kvq_region r, int head_dim, int t, int c) {
+  if (t >= r.quantized) {
+    const int row = (r.residual_first + (t - r.quantized)) % r.residual_rows;
+    KVQ_GLOBAL const u16* res = reinterpret_cast<KVQ_GLOBAL const u16*>(reg + static_cast<i64>(r.residual_offset));
+    return kd::f16_bits_to_f32(res[static_cast<i64>(row) * head_dim + c]);
+  }
+  if (is_kivi_key(codec)) {
+    const int bits = kivi_bits(codec);
+    const int g = r.group;
+    const int tt = t % g;
+    KVQ_GLOBAL const u8* tile = reg + static_cast<i64>(t / g) * static_cast<i64>(r.unit_bytes);
+    const float s = ld_f16(tile + 2 * static_cast<i64>(c));
+    const float m = ld_f16(tile + 2 * (static_cast<i64>(head_dim) + c));
+    KVQ_GLOBAL const u8* codes = tile + static_cast<i64>(kd::kivi_group_header_bytes) * head_dim +
+                                 static_cast<i64>(g * bits / 8) * static_cast<i64>(c);
+    const int q = kd::kivi_unpack(codes[kd::kivi_code_byte(tt, bits)], tt, bits);
+    return kd::kivi_value(q, s, m);
+  }
+  return decode_row_element(codec, reg + static_cast<i64>(t) * static_cast<i64>(r.unit_bytes), head_dim, c, r);
+}
+
+/// decode: channel c of token first + i of kv_head `head`, written as out_type at row i.
+KVQ_HOST_DEVICE void decode_at(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL const u8* layer, KVQ_GLOBAL u8* out,
+                               int i, int c) {
+  const float v = decode_element(codec, region_ptr(layer, a.src, a.head), a.src, a.head_dim, a.first + i, c);
+  const i64 o = static_cast<i64>(i) * static_cast<i64>(a.out_stride) + c;
+  if (a.out_type == kvq_elem_f32) {
+    reinterpret_cast<KVQ_GLOBAL float*>(out)[o] = v;  // outputs are aligned to their element type
+  } else if (a.out_type == kvq_elem_f16) {
+    reinterpret_cast<KVQ_GLOBAL u16*>(out)[o] = kd::f32_to_f16_bits(v);
+  } else if (a.out_type == kvq_elem_f16_sat) {
+    reinterpret_cast<KVQ_GLOBAL u16*>(out)[o] = kd::f32_to_f16_bits_satfinite(v);
+  } else {
+    reinterpret_cast<KVQ_GLOBAL u16*>(out)[o] = kd::f32_to_bf16_bits(v);
+  }
+}
+
+/// Thread `idx` of decode: threads (count, head_dim), channels fastest.
+KVQ_HOST_DEVICE void decode_thread(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL const u8* layer,
+                                   KVQ_GLOBAL u8* out, i64 idx) {
+  if (idx >= static_cast<i64>(a.count) * a.head_dim) return;
+  const int i = static_cast<int>(idx / a.head_dim);
+  decode_at(codec, a, layer, out, i, static_cast<int>(idx - static_cast<i64>(i) * a.head_dim));
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+
+/// Integer dot product of block b of a q8_0 or q4_0 key row with a q8_0 query block (codes qc,
+/// scale dq), as kvq::detail::dot_block: q8_0 sumi * (dk * dq), q4_0 (sumi * dk) * dq.
+KVQ_HOST_DEVICE float block_dot(int codec, KVQ_GLOBAL const u8* row, int b, KVQ_SHARED const int8_t* qc, float dq) {
+  int sumi = 0;
+  if (codec == kvq_codec_q8_0) {
+    KVQ_GLOBAL const u8* blk = row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_q8_0));
+    for (int j = 0; j < 32; ++j) sumi += sext8(blk[2 + j]) * static_cast<int>(qc[j]);
+    return kd::mul_rn(static_cast<float>(sumi), kd::mul_rn(ld_f16(blk), dq));
+  }
+  KVQ_GLOBAL const u8* blk = row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_q4_0));
+  for (int j = 0; j < 16; ++j) {
+    sumi += (static_cast<int>(blk[2 + j] & 0x0fu) - 8) * static_cast<int>(qc[j]);
+    sumi += (static_cast<int>(blk[2 + j] >> 4) - 8) * static_cast<int>(qc[j + 16]);
+  }
+  return kd::mul_rn(kd::mul_rn(static_cast<float>(sumi), ld_f16(blk)), dq);
+}
+
+/// True for the bits of -0.0f, the probability that marks a token with logit -Inf (weight 0, and
+/// skipped in P·V as kvq::attend_range skips it, so 0 * Inf in V makes no NaN).
+KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u; }
+
+/// One block of the partial attention (see kvq_attention_args): split bx and y = by of one
+/// sequence `sq`, whose query is `query` (q_heads, head_dim) and whose partial states go to
+/// part_out (splits, q_heads, head_dim), part_max and part_sum (splits, q_heads). `smem` holds
+/// kvq_attention_smem_layout(...).total floats.
+///
+/// `Threads` is the backend's view of the block's threads: `th.count()` threads take part;
+/// the calling GPU thread runs the work of threads th.tid(k) for k in [0, th.lanes()) (one on a
+/// GPU, all of them in turn in a CPU stand-in), and `th.barrier()` synchronises the block (a
+/// __syncthreads, a threadgroup_barrier, nothing on the CPU). Barriers are the one construct the
+/// languages do not share, so they come from the backend.
+///
+/// Per tile of `tile` tokens: the keys are decoded once into block memory (or, for the integer
+/// dots of a q8_0 query with q8_0/q4_0 keys, read in place), one thread per (head, token) computes
+/// a logit, one thread per head the online softmax of the tile (token by token, as
+/// kvq::attend_range), and one thread per channel accumulates P·V, decoding every value once for
+/// all heads of the block. NaN/Inf as
+/// kvq::attend_range: a NaN or +Inf logit makes the head NaN, a -Inf logit weighs 0.
+template <class Threads>
+KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq,
+                                     KVQ_GLOBAL const u8* key_layer, KVQ_GLOBAL const u8* value_layer,
+                                     KVQ_GLOBAL const float* query, KVQ_GLOBAL float* part_out,
+                                     KVQ_GLOBAL float* part_max, KVQ_GLOBAL float* part_sum, KVQ_SHARED float* smem,
+                                     int bx, int by, Threads th) {
+  const int hd = a.head_dim;
+  const int group = a.q_heads / a.kv_heads;
+  const int kv = by / a.chunks;
+  const int g0 = (by % a.chunks) * a.heads;
+  const int nh = imin(a.heads, group - g0);
+  const int h0 = kv * group + g0;
+  const int t_begin = sq.begin + bx * a.split_tokens;
+  const int t_end = imin(sq.end, t_begin + a.split_tokens);
+  const int T = a.tile;
+  const int nb = (hd + 31) / 32;
+  const int kstride = hd + 1;
+  const bool int_dot = a.query_q8_0 != 0 && (kcodec == kvq_codec_q8_0 || kcodec == kvq_codec_q4_0);
+  const float ninf = neg_inf();
+  const int nt = th.count();
+  const int lanes = th.lanes();
+
+  kvq_region kr = a.key;
+  kr.quantized = sq.key_quantized;
+  kr.residual_first = 0;
+  kvq_region vr = a.value;
+  vr.quantized = sq.value_quantized;
+  vr.residual_first = sq.value_residual_first;
+  KVQ_GLOBAL const u8* kreg = region_ptr(key_layer, kr, kv);
+  KVQ_GLOBAL const u8* vreg = region_ptr(value_layer, vr, kv);
+
+  const kvq_attention_smem L = kvq_attention_smem_layout(hd, T, a.heads, a.query_q8_0);
+  KVQ_SHARED float* q_s = smem + L.q;
+  KVQ_SHARED float* o_s = smem + L.o;
+  KVQ_SHARED float* k_s = smem + L.k;
+  KVQ_SHARED float* p_s = smem + L.p;
+  KVQ_SHARED float* w_s = smem + L.w;
+  KVQ_SHARED float* m_s = smem + L.m;
+  KVQ_SHARED float* l_s = smem + L.l;
+  KVQ_SHARED float* c_s = smem + L.corr;
+  KVQ_SHARED float* qd_s = smem + L.qd;
+  KVQ_SHARED int8_t* qc_s = reinterpret_cast<KVQ_SHARED int8_t*>(smem + L.qcodes);
+  KVQ_GLOBAL const float* qin = query + static_cast<i64>(h0) * hd;
+
+  // The query heads of this block: as given, or rounded to q8_0 blocks as q8_0::encode_row and
+  // decode_row do (codes kept for the integer dots).
+  for (int k = 0; k < lanes; ++k) {
+    const int tid = th.tid(k);
+    if (a.query_q8_0 != 0) {
+      for (int w = tid; w < nh * nb; w += nt) {
+        const int g = w / nb;
+        const int b = w % nb;
+        KVQ_GLOBAL const float* x = qin + static_cast<i64>(g) * hd;
+        const int c0 = 32 * b;
+        const int n = imin(32, hd - c0);
+        float amax = 0.0f;
+        bool finite = true;
+        for (int j = 0; j < n; ++j) {
+          finite = finite && kd::is_finite_f32(x[c0 + j]);
+          const float av = kd::abs_f32(x[c0 + j]);
+          amax = av > amax ? av : amax;
+        }
+        const float d = kd::q8_0_scale(amax);
+        const float id = finite ? kd::ggml_inverse_scale(d) : 0.0f;
+        const float dq = kd::f16_bits_to_f32(finite ? kd::f32_to_f16_bits(d) : kd::poisoned_f16_scale);
+        qd_s[g * nb + b] = dq;
+        for (int j = 0; j < 32; ++j) {
+          const int code = (finite && j < n) ? kd::q8_0_code(x[c0 + j], id) : 0;
+          qc_s[(g * nb + b) * 32 + j] = static_cast<int8_t>(code);
+          if (j < n) q_s[g * hd + c0 + j] = kd::q8_0_value(code, dq);
+        }
+      }
+    } else {
+      for (int w = tid; w < nh * hd; w += nt) q_s[w] = qin[w];
+    }
+    for (int w = tid; w < nh * hd; w += nt) o_s[w] = 0.0f;
+    for (int w = tid; w < nh; w += nt) {
+      m_s[w] = ninf;
+      l_s[w] = 0.0f;
+    }
+  }
+  th.barrier();
+
+  for (int t0 = t_begin; t0 < t_end; t0 += T) {
+    const int n = imin(T, t_end - t0);
+
+    // Keys of the tile, decoded once for all heads: k_s (n, hd + 1).
+    if (!int_dot) {
+      for (int k = 0; k < lanes; ++k) {
+        for (int w = th.tid(k); w < n * hd; w += nt) {
+          const int i = w / hd;
+          const int c = w - i * hd;
+          k_s[i * kstride + c] = decode_element(kcodec, kreg, kr, hd, t0 + i, c);
+        }
+      }
+      th.barrier();
+    }
+
+    // Logits, one thread per (head, token); consecutive threads take consecutive tokens.
+    for (int k = 0; k < lanes; ++k) {
+      for (int w = th.tid(k); w < nh * n; w += nt) {
+        const int g = w / n;
+        const int i = w - g * n;
+        float dot = 0.0f;
+        if (int_dot) {
+          KVQ_GLOBAL const u8* row = kreg + static_cast<i64>(t0 + i) * static_cast<i64>(kr.unit_bytes);
+          for (int b = 0; b < nb; ++b)
+            dot = kd::add_rn(dot, block_dot(kcodec, row, b, qc_s + (g * nb + b) * 32, qd_s[g * nb + b]));
+        } else {
+          for (int c = 0; c < hd; ++c) dot += q_s[g * hd + c] * k_s[i * kstride + c];
+        }
+        float s = dot * a.scale;
+        if (a.softcap > 0.0f) s = a.softcap * tanh_f32(s / a.softcap);
+        p_s[g * T + i] = s;
+      }
+    }
+    th.barrier();
+
+    // Online softmax, one thread per head, token by token as kvq::attend_range goes: token i's
+    // probability e_i = exp(s_i - m_i) is taken against the running max after it,
+    // m_i = max(m_old, s_0 .. s_i) (so f16-rounded probabilities round the same values as the
+    // reference), then rescaled to the tile's max by exp(m_i - m_new). w_s gets the weights of
+    // the values (-0.0 marks a -Inf logit, skipped in P·V), c_s the rescale of what came before.
+    for (int k = 0; k < lanes; ++k) {
+      for (int g = th.tid(k); g < nh; g += nt) {
+        const float m_old = m_s[g];
+        float m_new = m_old;
+        for (int i = 0; i < n; ++i) {
+          const float s = p_s[g * T + i];
+          m_new = s > m_new ? s : m_new;  // NaN logits take no part in the max
+        }
+        float mi = m_old;
+        float sum = 0.0f;
+        for (int i = 0; i < n; ++i) {
+          const float s = p_s[g * T + i];
+          mi = s > mi ? s : mi;
+          float wv = -0.0f;
+          if (s != ninf) {
+            const float e = exp_f32(s - mi);  // NaN for NaN or +Inf logits, which then propagates
+            const float rescale = mi == m_new ? 1.0f : exp_f32(mi - m_new);
+            sum += e * rescale;
+            wv = (a.probs_f16 != 0 ? round_f16(e) : e) * rescale;
+          }
+          w_s[g * T + i] = wv;
+        }
+        const float corr = m_old == ninf ? 0.0f : (m_new == m_old ? 1.0f : exp_f32(m_old - m_new));
+        c_s[g] = corr;
+        l_s[g] = l_s[g] * corr + sum;
+        m_s[g] = m_new;
+      }
+    }
+    th.barrier();
+
+    // P·V per channel, every value element decoded once for all heads.
+    for (int k = 0; k < lanes; ++k) {
+      const int tid = th.tid(k);
+      for (int c = tid; c < hd; c += nt) {
+        for (int g = 0; g < nh; ++g) o_s[g * hd + c] *= c_s[g];
+        for (int i = 0; i < n; ++i) {
+          const float v = decode_element(vcodec, vreg, vr, hd, t0 + i, c);
+          for (int g = 0; g < nh; ++g) {
+            const float wv = w_s[g * T + i];
+            if (!is_skipped(wv)) o_s[g * hd + c] += wv * v;
+          }
+        }
+      }
+    }
+    // No barrier here: the next tile writes k_s and p_s, whose readers finished before the
+    // softmax barrier, and w_s and c_s only after its own logits barrier, which every thread
+    // reaches after its P·V.
+  }
+  th.barrier();  // o_s channels are written out by other threads
+
+  // The partial state of every head of the block.
+  for (int k = 0; k < lanes; ++k) {
+    const int tid = th.tid(k);
+    for (int w = tid; w < nh * hd; w += nt) {
+      const int g = w / hd;
+      part_out[(static_cast<i64>(bx) * a.q_heads + h0 + g) * hd + (w - g * hd)] = o_s[w];
+    }
+    for (int g = tid; g < nh; g += nt) {
+      part_max[static_cast<i64>(bx) * a.q_heads + h0 + g] = m_s[g];
+      part_sum[static_cast<i64>(bx) * a.q_heads + h0 + g] = l_s[g];
+    }
+  }
+}
+
+/// combine: channel c of query head h of sequence b. Merges the splits in order as kvq::combine
+/// and normalises as kvq::finalize (heads that attended nothing output 0).
+KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const float* part_out,
+                                KVQ_GLOBAL const float* part_max, KVQ_GLOBAL const float* part_sum,
+                                KVQ_GLOBAL float* out, int b, int h, int c) {
+  const float ninf = neg_inf();
+  float m = ninf;
+  float l = 0.0f;
+  float o = 0.0f;
+  for (int s = 0; s < a.splits; ++s) {
+    const i64 sh = (static_cast<i64>(b) * a.splits + s) * a.q_heads + h;
+    const float mb = part_max[sh];
+    const float lb = part_sum[sh];
+    if (mb == ninf && !kd::is_nan_f32(lb)) continue;  // the split attended nothing
+    const float mm = (kd::is_nan_f32(m) || kd::is_nan_f32(mb)) ? quiet_nan() : (mb > m ? mb : m);
+    const float ca = m == ninf ? 0.0f : exp_f32(m - mm);
+    const float cb = exp_f32(mb - mm);
+    o = o * ca + part_out[sh * a.head_dim + c] * cb;
+    l = l * ca + lb * cb;
+    m = mm;
+  }
+  out[(static_cast<i64>(b) * a.q_heads + h) * a.head_dim + c] = l == 0.0f ? 0.0f : o * (1.0f / l);
+}
+
+/// Thread `idx` of combine: threads (batch, q_heads, head_dim), channels fastest.
+KVQ_HOST_DEVICE void combine_thread(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const float* part_out,
+                                    KVQ_GLOBAL const float* part_max, KVQ_GLOBAL const float* part_sum,
+                                    KVQ_GLOBAL float* out, i64 idx) {
+  const i64 per_seq = static_cast<i64>(a.q_heads) * a.head_dim;
+  if (idx >= per_seq * a.batch) return;
+  const int b = static_cast<int>(idx / per_seq);
+  const i64 rem = idx - static_cast<i64>(b) * per_seq;
+  const int h = static_cast<int>(rem / a.head_dim);
+  combine_at(a, part_out, part_max, part_sum, out, b, h, static_cast<int>(rem - static_cast<i64>(h) * a.head_dim));
+}
+
+}  // namespace kernels
+KVQ_NAMESPACE_END
