@@ -94,22 +94,24 @@ class cpu_device {
       if constexpr (C::layout == codec_layout::token_group) {
         int const g = a.dst.group;
         detail::vector<float> tile(static_cast<std::size_t>(g) * static_cast<std::size_t>(d));
+        detail::vector<f16> half(static_cast<std::size_t>(d));
         for (int h = 0; h < a.kv_heads; ++h) {
           for (int j = 0; j < a.count / g; ++j) {
-            gather(a, layer, input, h, j * g, g, tile.data());
+            gather(a, layer, input, h, j * g, g, tile.data(), half.data());
             encode_tile<C>(tile.data(), d, d, unit(layer, a, h, a.first + j), params);
           }
         }
       }
       return {};
     }
-    constexpr std::int64_t chunk = 64;  // rows widened to f32 per kernel call
+    constexpr std::int64_t chunk = 16;  // rows widened to f32 per kernel call (they stay in L1)
     detail::vector<float> rows(static_cast<std::size_t>(std::min<std::int64_t>(a.count, chunk)) *
                                static_cast<std::size_t>(d));
+    detail::vector<f16> half(static_cast<std::size_t>(d));
     for (int h = 0; h < a.kv_heads; ++h) {
       for (int i0 = 0; i0 < a.count; i0 += static_cast<int>(chunk)) {
         int const n = static_cast<int>(std::min<std::int64_t>(chunk, a.count - i0));
-        gather(a, layer, input, h, i0, n, rows.data());
+        gather(a, layer, input, h, i0, n, rows.data(), half.data());
         if (s.kernel == write_kernel::encode_rows) {
           if constexpr (C::layout == codec_layout::row)
             cpu_kernels::encode_rows<C>(rows.data(), d, n, d, unit(layer, a, h, a.first + i0), a.dst.unit_bytes,
@@ -205,7 +207,9 @@ class cpu_device {
 
   /// Batch rows [i0, i0 + n) of kv_head h of a write step as f32 rows of head_dim (see kvq_source):
   /// residual rows, or input rows widened (and f16-rounded, saturating, when the step says so).
-  static void gather(kvq_write_args const& a, std::byte* layer, void const* input, int h, int i0, int n, float* out) {
+  /// `half` is scratch for head_dim f16 values.
+  static void gather(kvq_write_args const& a, std::byte* layer, void const* input, int h, int i0, int n, float* out,
+                     f16* half) {
     int const d = a.head_dim;
     for (int k = 0; k < n; ++k) {
       int const i = i0 + k;
@@ -225,9 +229,10 @@ class cpu_device {
       } else {
         cpu_kernels::convert_to_f32(static_cast<bf16 const*>(input) + at, y, d);
       }
-      if (a.src.round_f16 != 0) {
-        saturate_to_f16_range(y, d);  // finite beyond ±65504 -> ±65504, not Inf
-        for (int c = 0; c < d; ++c) y[c] = to_f32(to_f16(y[c]));
+      if (a.src.round_f16 != 0) {  // as stored in the f16 residual: finite beyond ±65504 -> ±65504, not Inf
+        saturate_to_f16_range(y, d);
+        cpu_kernels::convert_from_f32(y, half, d);
+        cpu_kernels::convert_to_f32(half, y, d);
       }
     }
   }
