@@ -215,9 +215,9 @@ auto options_with(int residual) -> kt::cpu_options<Choice> {
 
 // Every codec as keys and values, and mixed pairs (the facade's list).
 TEMPLATE_TEST_CASE("cuda host: bytes, reads and attention match the CPU reference", "[cuda_host]", kvq::f32_codec,
-                   kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2,
-                   (kvq::kv_codecs<kvq::q8_0, kvq::q4_0>), (kvq::kv_codecs<kvq::f16_codec, kvq::q8_0>),
-                   (kvq::kv_codecs<kvq::int8_sym, kvq::fp8_e5m2>)) {
+                   kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::mxfp4,
+                   kvq::nvfp4, (kvq::kv_codecs<kvq::q8_0, kvq::q4_0>), (kvq::kv_codecs<kvq::f16_codec, kvq::q8_0>),
+                   (kvq::kv_codecs<kvq::int8_sym, kvq::fp8_e5m2>), (kvq::kv_codecs<kvq::mxfp4, kvq::nvfp4>)) {
   for (int d : {64, 128, 80, 8}) {
     INFO("head_dim " << d);
     kt::run_scenario<TestType, host_harness>(d, 0, {}, {}, d != 128);
@@ -253,7 +253,7 @@ TEST_CASE("cuda host: GQA 32/8 and MHA 8/8, planner's splits", "[cuda_host]") {
 }
 
 TEMPLATE_TEST_CASE("cuda host: NaN and Inf inputs", "[cuda_host]", kvq::f32_codec, kvq::f16_codec, kvq::q8_0, kvq::q4_0,
-                   kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::kivi<4>) {
+                   kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::kivi<4>, kvq::mxfp4, kvq::nvfp4) {
   kt::run_special_values<TestType, host_harness>(64);
   kt::run_special_values<TestType, host_harness>(40);
 }

@@ -400,14 +400,16 @@ void run_scenario(int d, int residual, typename kvq::QuantizedKVCache<Choice>::o
 }
 
 // Every facade pair (any_cache.hpp's list), which covers every codec as keys and as values.
-using all_pairs = std::tuple<
-    kvq::f32_codec, kvq::f16_codec, kvq::q4_0, kvq::q8_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::kivi<2>,
-    kvq::kivi<4>, kvq::kivi<8>, kvq::kv_codecs<kvq::q8_0, kvq::q4_0>, kvq::kv_codecs<kvq::q8_0, kvq::f16_codec>,
-    kvq::kv_codecs<kvq::f16_codec, kvq::q8_0>, kvq::kv_codecs<kvq::f16_codec, kvq::q4_0>,
-    kvq::kv_codecs<kvq::int8_sym, kvq::q4_0>, kvq::kv_codecs<kvq::fp8_e4m3, kvq::q4_0>,
-    kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<4>>, kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>,
-    kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<2>>, kvq::kv_codecs<kvq::kivi_key<8>, kvq::kivi_value<4>>,
-    kvq::kv_codecs<kvq::kivi_key<4>, kvq::kivi_value<2>>, kvq::kv_codecs<kvq::kivi_key<8>, kvq::kivi_value<2>>>;
+using all_pairs =
+    std::tuple<kvq::f32_codec, kvq::f16_codec, kvq::q4_0, kvq::q8_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2,
+               kvq::mxfp4, kvq::nvfp4, kvq::kivi<2>, kvq::kivi<4>, kvq::kivi<8>, kvq::kv_codecs<kvq::q8_0, kvq::q4_0>,
+               kvq::kv_codecs<kvq::q8_0, kvq::f16_codec>, kvq::kv_codecs<kvq::f16_codec, kvq::q8_0>,
+               kvq::kv_codecs<kvq::f16_codec, kvq::q4_0>, kvq::kv_codecs<kvq::int8_sym, kvq::q4_0>,
+               kvq::kv_codecs<kvq::fp8_e4m3, kvq::q4_0>, kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<4>>,
+               kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>, kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<2>>,
+               kvq::kv_codecs<kvq::kivi_key<8>, kvq::kivi_value<4>>,
+               kvq::kv_codecs<kvq::kivi_key<4>, kvq::kivi_value<2>>,
+               kvq::kv_codecs<kvq::kivi_key<8>, kvq::kivi_value<2>>>;
 
 }  // namespace
 
@@ -475,7 +477,8 @@ TEMPLATE_TEST_CASE("metal kernels f16 and bf16 input and head-major strides", "[
 }
 
 TEMPLATE_TEST_CASE("metal kernels NaN and Inf in keys and values", "[metal]", kvq::f32_codec, kvq::f16_codec, kvq::q8_0,
-                   kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::kivi<2>, kvq::kivi<8>) {
+                   kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::mxfp4, kvq::nvfp4, kvq::kivi<2>,
+                   kvq::kivi<8>) {
   int const d = 64;
   int const kv = 2;
   std::int64_t const n = 96;

@@ -4,7 +4,8 @@
 // Only the explicit list of (key codec, value codec) pairs in `supported_codec_pairs()` is compiled
 // (every codec with itself plus a few mixed pairs), so the facade never instantiates every K×V
 // combination. Names are those of DESIGN §8: f32, f16, q4_0, q8_0, int8, fp8_e4m3, fp8_e5m2,
-// kivi2, kivi4, kivi8 (as keys: per-channel KIVI keys; as values: per-token KIVI values).
+// mxfp4, nvfp4, kivi2, kivi4, kivi8 (as keys: per-channel KIVI keys; as values: per-token KIVI
+// values).
 #pragma once
 
 #include <array>
@@ -16,6 +17,7 @@
 
 #include "attention.hpp"
 #include "cache.hpp"
+#include "codec/fp4.hpp"
 #include "codec/fp8.hpp"
 #include "codec/int8.hpp"
 #include "codec/kivi.hpp"
@@ -30,6 +32,8 @@ struct any_cache_options {
   int residual = 128;                      ///< KIVI residual length R (multiple of 32)
   fp8_params key_fp8{};                    ///< fp8 scale and overflow mode of fp8 keys
   fp8_params value_fp8{};                  ///< fp8 scale and overflow mode of fp8 values
+  fp4_params key_fp4{};                    ///< scale of mxfp4 / nvfp4 keys
+  fp4_params value_fp4{};                  ///< scale of mxfp4 / nvfp4 values
   kvq::memory_resource* memory = nullptr;  ///< allocator hook; nullptr = the default resource
 };
 
@@ -151,6 +155,8 @@ class any_cache_model final : public any_cache {
     c.memory = o.memory;
     if constexpr (std::is_same_v<typename cache_type::key_params, fp8_params>) c.key = o.key_fp8;
     if constexpr (std::is_same_v<typename cache_type::value_params, fp8_params>) c.value = o.value_fp8;
+    if constexpr (std::is_same_v<typename cache_type::key_params, fp4_params>) c.key = o.key_fp4;
+    if constexpr (std::is_same_v<typename cache_type::value_params, fp4_params>) c.value = o.value_fp4;
     return c;
   }
 
@@ -182,7 +188,7 @@ auto make_model(cache_shape const& s, any_cache_options const& o, std::string_vi
 
 /// The explicit list of instantiations behind the facade.
 inline auto const& any_cache_table() {
-  static std::array<any_cache_entry, 22> const table = {
+  static std::array<any_cache_entry, 24> const table = {
       KVQ_ANY_CACHE_ENTRY("f32", "f32", f32_codec),
       KVQ_ANY_CACHE_ENTRY("f16", "f16", f16_codec),
       KVQ_ANY_CACHE_ENTRY("q4_0", "q4_0", q4_0),
@@ -190,6 +196,8 @@ inline auto const& any_cache_table() {
       KVQ_ANY_CACHE_ENTRY("int8", "int8", int8_sym),
       KVQ_ANY_CACHE_ENTRY("fp8_e4m3", "fp8_e4m3", fp8_e4m3),
       KVQ_ANY_CACHE_ENTRY("fp8_e5m2", "fp8_e5m2", fp8_e5m2),
+      KVQ_ANY_CACHE_ENTRY("mxfp4", "mxfp4", mxfp4),
+      KVQ_ANY_CACHE_ENTRY("nvfp4", "nvfp4", nvfp4),
       KVQ_ANY_CACHE_ENTRY("kivi2", "kivi2", kivi<2>),
       KVQ_ANY_CACHE_ENTRY("kivi4", "kivi4", kivi<4>),
       KVQ_ANY_CACHE_ENTRY("kivi8", "kivi8", kivi<8>),

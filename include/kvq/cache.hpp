@@ -48,6 +48,7 @@
 #include "backend/cpu/cpu_device.hpp"
 #include "backend/cpu/kernels.hpp"
 #include "codec/codec.hpp"
+#include "codec/fp4.hpp"
 #include "core/cache_core.hpp"
 #include "core/cache_types.hpp"
 #include "detail/host_vector.hpp"
@@ -58,7 +59,8 @@ KVQ_NAMESPACE_BEGIN
 namespace detail {
 
 /// Stored scales of one encoded unit (row or tile) of codec C that are NaN or ±Inf: q8_0 / q4_0
-/// blocks, the int8 row scale, KIVI groups (value blocks, key channels). A unit decodes to NaN or
+/// blocks, the int8 row scale, KIVI groups (value blocks, key channels), mxfp4 blocks and nvfp4
+/// sub-blocks (their NaN scale bytes). A unit decodes to NaN or
 /// ±Inf exactly where its scale is not finite. Codecs without scales (f32, f16, fp8) have none.
 template <class C>
 inline auto nonfinite_scales(std::uint8_t const* unit, int head_dim) -> std::int64_t {
@@ -70,6 +72,17 @@ inline auto nonfinite_scales(std::uint8_t const* unit, int head_dim) -> std::int
       auto const bits = static_cast<u16>(p[0] | (static_cast<unsigned>(p[1]) << 8));  // fp16 d / scale, little-endian
       n += (bits & 0x7c00u) == 0x7c00u ? 1 : 0;
     }
+  } else if constexpr (std::is_same_v<C, mxfp4>) {
+    auto const g = C::geometry(head_dim);
+    for (int b = 0; b < g.blocks; ++b)
+      n += unit[static_cast<std::size_t>(b) * g.block_bytes] == mxfp4_poisoned_scale ? 1 : 0;
+  } else if constexpr (std::is_same_v<C, nvfp4>) {
+    auto const g = C::geometry(head_dim);
+    for (int b = 0; b < g.blocks; ++b)
+      for (int s = 0; s < 4; ++s)
+        n += unit[static_cast<std::size_t>(b) * g.block_bytes + static_cast<std::size_t>(s)] == nvfp4_poisoned_scale
+                 ? 1
+                 : 0;
   } else if constexpr (std::is_same_v<C, int8_sym>) {
     float scale;
     std::memcpy(&scale, unit, sizeof scale);

@@ -6,6 +6,7 @@
 #include "backend/backend.hpp"
 #include "cache.hpp"
 #include "codec/codec.hpp"
+#include "codec/fp4.hpp"
 #include "codec/fp8.hpp"
 #include "codec/int8.hpp"
 #include "codec/kivi.hpp"

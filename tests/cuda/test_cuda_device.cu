@@ -174,8 +174,8 @@ __global__ void fp8_decode_mismatches(unsigned long long* count) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("cuda: bytes, reads and attention match the CPU reference", "[codecs]", kvq::f32_codec,
-                   kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2,
-                   (kvq::kv_codecs<kvq::q8_0, kvq::q4_0>)) {
+                   kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::mxfp4,
+                   kvq::nvfp4, (kvq::kv_codecs<kvq::q8_0, kvq::q4_0>)) {
   for (int d : {64, 128, 80, 8}) {
     INFO("head_dim " << d);
     kt::run_scenario<TestType, device_harness>(d, 0, {}, {}, d != 8);
@@ -224,7 +224,7 @@ TEST_CASE("cuda: GQA 32/8 and MHA 8/8 with the planner's splits", "[gqa]") {
 }
 
 TEMPLATE_TEST_CASE("cuda: NaN and Inf inputs", "[special]", kvq::f32_codec, kvq::f16_codec, kvq::q8_0, kvq::q4_0,
-                   kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::kivi<4>) {
+                   kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::kivi<4>, kvq::mxfp4, kvq::nvfp4) {
   kt::run_special_values<TestType, device_harness>(64);
 }
 

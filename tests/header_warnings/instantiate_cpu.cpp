@@ -82,6 +82,8 @@ void use_cache(float const* x, f16 const* h, bf16 const* b, float* out) {
   KVQ_HW_ROW_CODEC(NS, kvq::int8_sym);      \
   KVQ_HW_ROW_CODEC(NS, kvq::fp8_e4m3);      \
   KVQ_HW_ROW_CODEC(NS, kvq::fp8_e5m2);      \
+  KVQ_HW_ROW_CODEC(NS, kvq::mxfp4);         \
+  KVQ_HW_ROW_CODEC(NS, kvq::nvfp4);         \
   KVQ_HW_ROW_CODEC(NS, kvq::kivi_value<2>); \
   KVQ_HW_ROW_CODEC(NS, kivi_value_4_16);    \
   KVQ_HW_ROW_CODEC(NS, kvq::kivi_value<8>); \
@@ -129,6 +131,8 @@ void use_all(float const* x, f16 const* h, bf16 const* b, float* out) {
   use_cache<kvq::int8_sym>(x, h, b, out);
   use_cache<kvq::fp8_e4m3>(x, h, b, out);
   use_cache<kvq::fp8_e5m2>(x, h, b, out);
+  use_cache<kvq::mxfp4>(x, h, b, out);
+  use_cache<kvq::nvfp4>(x, h, b, out);
   use_cache<kvq::kivi<2>>(x, h, b, out);
   use_cache<kvq::kivi<4, 16>>(x, h, b, out);
   use_cache<kvq::kivi<8>>(x, h, b, out);

@@ -123,6 +123,8 @@ void kvq_header_warnings_cuda_host(float const* x, kvq::f16 const* h, kvq::bf16 
   use_core<kvq::q4_0>(x, h, b, out);
   use_core<kvq::int8_sym>(x, h, b, out);
   use_core<kvq::fp8_e4m3>(x, h, b, out);
+  use_core<kvq::mxfp4>(x, h, b, out);
+  use_core<kvq::nvfp4>(x, h, b, out);
   use_core<kvq::fp8_e5m2>(x, h, b, out);
   use_core<kvq::kivi<2>>(x, h, b, out);
   use_core<kvq::kivi<4>>(x, h, b, out);

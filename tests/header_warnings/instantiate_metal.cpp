@@ -64,6 +64,8 @@ void kvq_header_warnings_metal(MTL::Device* device, MTL::CommandQueue* queue, fl
   use_metal<kvq::f32_codec>(device, queue, x, h, b, out);
   use_metal<kvq::f16_codec>(device, queue, x, h, b, out);
   use_metal<kvq::q8_0>(device, queue, x, h, b, out);
+  use_metal<kvq::mxfp4>(device, queue, x, h, b, out);
+  use_metal<kvq::nvfp4>(device, queue, x, h, b, out);
   use_metal<kvq::q4_0>(device, queue, x, h, b, out);
   use_metal<kvq::int8_sym>(device, queue, x, h, b, out);
   use_metal<kvq::fp8_e4m3>(device, queue, x, h, b, out);

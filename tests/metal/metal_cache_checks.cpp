@@ -401,6 +401,7 @@ auto run_metal_cache_checks(int head_dim) -> std::vector<std::string> {
   check_choice<kvq::q4_0>(r, "q4_0", head_dim, 32);
   check_choice<kvq::int8_sym>(r, "int8", head_dim, 32);
   check_choice<kvq::fp8_e4m3>(r, "fp8_e4m3", head_dim, 32);
+  check_choice<kvq::nvfp4>(r, "nvfp4", head_dim, 32);
   check_choice<kvq::f16_codec>(r, "f16", head_dim, 32);
   check_choice<kvq::kivi<4>>(r, "kivi4", head_dim, 32);
   check_choice<kvq::kivi<2>>(r, "kivi2", head_dim, 0);

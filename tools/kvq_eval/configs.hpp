@@ -21,7 +21,7 @@ struct config {
 /// Every codec for K and V alike (KIVI with R = 0, 32, 128), mixed pairs, and the baselines.
 inline auto default_configs() -> std::vector<config> {
   std::vector<config> c;
-  for (char const* name : {"f32", "f16", "q8_0", "int8", "fp8_e4m3", "fp8_e5m2", "q4_0"})
+  for (char const* name : {"f32", "f16", "q8_0", "int8", "fp8_e4m3", "fp8_e5m2", "q4_0", "nvfp4", "mxfp4"})
     c.push_back({name, name, name, std::nullopt, std::nullopt});
   for (char const* name : {"kivi8", "kivi4", "kivi2"})
     for (int r : {0, 32, 128}) c.push_back({std::string(name) + "/R" + std::to_string(r), name, name, 32, r});

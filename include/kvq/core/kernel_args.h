@@ -33,6 +33,8 @@ enum kvq_codec_id : int32_t {
   kvq_codec_kivi_key2 = 10,  ///< KIVI keys, per channel over tiles of G tokens, 2-bit
   kvq_codec_kivi_key4 = 11,
   kvq_codec_kivi_key8 = 12,
+  kvq_codec_mxfp4 = 13,  ///< ggml MXFP4: blocks of 32, E8M0 scale, E2M1 codes
+  kvq_codec_nvfp4 = 14,  ///< ggml NVFP4: blocks of 64, four UE4M3 scales, E2M1 codes
 };
 
 /// Element type of a kernel's input (appended keys/values) or output (decoded rows).
@@ -59,7 +61,7 @@ struct kvq_region {
   int32_t quantized;         ///< tokens [0, quantized) are encoded units
   int32_t residual_rows;     ///< rows of the residual buffer (>= 1; the ring modulus)
   int32_t residual_first;    ///< residual row of token `quantized`
-  float fp8_scale;           ///< fp8 codecs: code = fp8(x / scale), value = fp8 * scale
+  float codec_scale;         ///< fp8, mxfp4, nvfp4: code = codec(x / scale), value = codec * scale
   int32_t fp8_saturate;      ///< fp8 codecs: 1 saturates overflow to ±max finite, 0 does not
   int32_t reserved;
 };

@@ -29,6 +29,7 @@
 #pragma once
 
 #include "../detail/block_layouts.h"
+#include "../detail/math_fp4.h"
 #include "../detail/math_fp8.h"
 #include "../detail/math_ggml.h"
 #include "../detail/math_int8.h"
@@ -341,6 +342,67 @@ KVQ_HOST_DEVICE void encode_kivi_value(row_ref x, int head_dim, int b, int group
   }
 }
 
+/// Channel c of a row divided by the codec scale, as the FP4 encoders see it.
+KVQ_HOST_DEVICE float fp4_input(row_ref x, int c, float scale) { return kd::div_rn(row_value(x, c), scale); }
+
+/// Encodes block b (channels [32b, 32b + 32)) of a row as ggml block_mxfp4 at blk (17 bytes);
+/// lanes past head_dim are zero padding. As mxfp4::encode_block.
+KVQ_HOST_DEVICE void encode_mxfp4(row_ref x, int head_dim, int b, float scale, KVQ_GLOBAL u8* blk) {
+  const int c0 = kd::qk_mxfp4 * b;
+  const int n = imin(kd::qk_mxfp4, head_dim - c0);
+  float amax = 0.0f;
+  bool finite = true;
+  for (int j = 0; j < n; ++j) {
+    const float v = fp4_input(x, c0 + j, scale);
+    finite = finite && kd::is_finite_f32(v);
+    const float av = kd::abs_f32(v);
+    amax = av > amax ? av : amax;
+  }
+  if (!finite) {
+    blk[0] = kd::mxfp4_poisoned_scale;
+    for (int j = 0; j < 16; ++j) blk[1 + j] = 0;
+    return;
+  }
+  const u8 e = kd::mxfp4_exponent(amax);
+  const float h = kd::mxfp4_half_scale(e);
+  blk[0] = e;
+  for (int j = 0; j < 16; ++j) {
+    const int lo = kd::fp4_code(j < n ? fp4_input(x, c0 + j, scale) : 0.0f, h);
+    const int hi = kd::fp4_code(j + 16 < n ? fp4_input(x, c0 + j + 16, scale) : 0.0f, h);
+    blk[1 + j] = static_cast<u8>(lo | (hi << 4));
+  }
+}
+
+/// Encodes block b (channels [64b, 64b + 64)) of a row as ggml block_nvfp4 at blk (36 bytes);
+/// lanes past head_dim are zero padding. As nvfp4::encode_block.
+KVQ_HOST_DEVICE void encode_nvfp4(row_ref x, int head_dim, int b, float scale, KVQ_GLOBAL u8* blk) {
+  for (int s = 0; s < 4; ++s) {
+    const int c0 = kd::qk_nvfp4 * b + kd::qk_nvfp4_sub * s;
+    const int n = head_dim - c0 < 0 ? 0 : imin(kd::qk_nvfp4_sub, head_dim - c0);
+    float amax = 0.0f;
+    bool finite = true;
+    for (int j = 0; j < n; ++j) {
+      const float v = fp4_input(x, c0 + j, scale);
+      finite = finite && kd::is_finite_f32(v);
+      const float av = kd::abs_f32(v);
+      amax = av > amax ? av : amax;
+    }
+    if (!finite) {
+      blk[s] = kd::nvfp4_poisoned_scale;
+      for (int j = 0; j < 8; ++j) blk[4 + 8 * s + j] = 0;
+      continue;
+    }
+    const u8 d = kd::nvfp4_scale_code(kd::div_rn(amax, 6.0f));
+    const float h = kd::nvfp4_half_scale(d);
+    blk[s] = d;
+    for (int j = 0; j < 8; ++j) {
+      const int lo = kd::fp4_code(j < n ? fp4_input(x, c0 + j, scale) : 0.0f, h);
+      const int hi = kd::fp4_code(j + 8 < n ? fp4_input(x, c0 + j + 8, scale) : 0.0f, h);
+      blk[4 + 8 * s + j] = static_cast<u8>(lo | (hi << 4));
+    }
+  }
+}
+
 /// Encodes block b of a row of a row codec into `row` (the row's first byte).
 KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq_region r, KVQ_GLOBAL u8* row) {
   switch (codec) {
@@ -360,10 +422,18 @@ KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq
       encode_int8(x, head_dim, row);
       break;
     case kvq_codec_fp8_e4m3:
-      row[b] = fp8_e4m3_encode(row_value(x, b), r.fp8_scale, r.fp8_saturate != 0);
+      row[b] = fp8_e4m3_encode(row_value(x, b), r.codec_scale, r.fp8_saturate != 0);
       break;
     case kvq_codec_fp8_e5m2:
-      row[b] = fp8_e5m2_encode(row_value(x, b), r.fp8_scale, r.fp8_saturate != 0);
+      row[b] = fp8_e5m2_encode(row_value(x, b), r.codec_scale, r.fp8_saturate != 0);
+      break;
+    case kvq_codec_mxfp4:
+      encode_mxfp4(x, head_dim, b, r.codec_scale,
+                   row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_mxfp4)));
+      break;
+    case kvq_codec_nvfp4:
+      encode_nvfp4(x, head_dim, b, r.codec_scale,
+                   row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_nvfp4)));
       break;
     default:  // KIVI values
       encode_kivi_value(x, head_dim, b, r.group, kivi_bits(codec), row);
@@ -474,9 +544,25 @@ KVQ_HOST_DEVICE float decode_row_element(int codec, KVQ_GLOBAL const u8* row, in
     case kvq_codec_int8:
       return kd::int8_value(sext8(row[kd::int8_row_header_bytes + c]), kd::f32_from_bits(ld_u32(row)));
     case kvq_codec_fp8_e4m3:
-      return fp8_e4m3_decode(row[c], r.fp8_scale);
+      return fp8_e4m3_decode(row[c], r.codec_scale);
     case kvq_codec_fp8_e5m2:
-      return fp8_e5m2_decode(row[c], r.fp8_scale);
+      return fp8_e5m2_decode(row[c], r.codec_scale);
+    case kvq_codec_mxfp4: {
+      KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c / kd::qk_mxfp4) * static_cast<i64>(sizeof(kd::block_mxfp4));
+      const int j = c % kd::qk_mxfp4;
+      const int code = j < 16 ? static_cast<int>(blk[1 + j] & 0x0fu) : static_cast<int>(blk[1 + j - 16] >> 4);
+      if (blk[0] == kd::mxfp4_poisoned_scale) return kd::fp4_nan();
+      return kd::mul_rn(kd::fp4_value(code, kd::mxfp4_half_scale(blk[0])), r.codec_scale);
+    }
+    case kvq_codec_nvfp4: {
+      KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c / kd::qk_nvfp4) * static_cast<i64>(sizeof(kd::block_nvfp4));
+      const int s = (c % kd::qk_nvfp4) / kd::qk_nvfp4_sub;
+      const int k = c % kd::qk_nvfp4_sub;
+      const u8 byte = blk[4 + 8 * s + k % 8];
+      const int code = k < 8 ? static_cast<int>(byte & 0x0fu) : static_cast<int>(byte >> 4);
+      if (blk[s] == kd::nvfp4_poisoned_scale) return kd::fp4_nan();
+      return kd::mul_rn(kd::fp4_value(code, kd::nvfp4_half_scale(blk[s])), r.codec_scale);
+    }
     default: {  // KIVI values
       const int bits = kivi_bits(codec);
       const int gv = imin(r.group, head_dim);

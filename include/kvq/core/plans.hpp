@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "../codec/codec.hpp"
+#include "../codec/fp4.hpp"
 #include "../codec/fp8.hpp"
 #include "../codec/int8.hpp"
 #include "../codec/kivi.hpp"
@@ -43,6 +44,10 @@ template <>
 struct kernel_codec<fp8_e4m3> : std::integral_constant<int, kvq_codec_fp8_e4m3> {};
 template <>
 struct kernel_codec<fp8_e5m2> : std::integral_constant<int, kvq_codec_fp8_e5m2> {};
+template <>
+struct kernel_codec<mxfp4> : std::integral_constant<int, kvq_codec_mxfp4> {};
+template <>
+struct kernel_codec<nvfp4> : std::integral_constant<int, kvq_codec_nvfp4> {};
 template <int B, int G>
 struct kernel_codec<::kvq::kivi_value<B, G>> : std::integral_constant<int, B == 2   ? kvq_codec_kivi_value2
                                                                            : B == 4 ? kvq_codec_kivi_value4
@@ -120,11 +125,13 @@ auto make_cache_side(cache_shape const& shape, int residual, typename C::params_
   s.region.unit_bytes = static_cast<std::uint32_t>(g.bytes());
   if constexpr (requires { C::group; }) s.region.group = C::group;
   s.region.residual_rows = static_cast<std::int32_t>(std::max<std::int64_t>(layout.residual_rows, 1));
-  s.region.fp8_scale = 1.0f;
+  s.region.codec_scale = 1.0f;
   s.region.fp8_saturate = 1;
   if constexpr (std::is_same_v<typename C::params_type, fp8_params>) {
-    s.region.fp8_scale = params.scale;
+    s.region.codec_scale = params.scale;
     s.region.fp8_saturate = params.overflow == fp8_overflow::saturate ? 1 : 0;
+  } else if constexpr (std::is_same_v<typename C::params_type, fp4_params>) {
+    s.region.codec_scale = params.scale;
   } else {
     (void)params;
   }

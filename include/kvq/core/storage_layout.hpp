@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "../codec/codec.hpp"
+#include "../codec/fp4.hpp"
 #include "../codec/fp8.hpp"
 #include "../codec/kivi.hpp"
 #include "checks.hpp"
@@ -79,8 +80,8 @@ auto plan_memory_unchecked(cache_shape const& shape, int residual) -> memory_rep
 
 /// Raises invalid_argument_error unless a cache of key codec K and value codec V may have `shape`
 /// and these options: the shape rule (check_cache_shape), a KIVI residual R that is a non-negative
-/// multiple of every KIVI group in use (the key residual flushes R/G whole tiles), fp8 scales
-/// finite and > 0, and a byte size within size_t. `max_capacity` below 2^40 adds a backend limit
+/// multiple of every KIVI group in use (the key residual flushes R/G whole tiles), fp8 and fp4
+/// scales finite and > 0, and a byte size within size_t. `max_capacity` below 2^40 adds a backend limit
 /// (GPU kernels index tokens with 32-bit integers), reported as `who`'s.
 template <codec K, codec V>
 void check_cache_options(cache_shape const& s, int residual, typename K::params_type const& key,
@@ -110,6 +111,14 @@ void check_cache_options(cache_shape const& s, int residual, typename K::params_
     check<invalid_argument_error>(fp8_params_valid(key), [&] { return fp8_message("key", key); });
   if constexpr (requires { fp8_params_valid(value); })
     check<invalid_argument_error>(fp8_params_valid(value), [&] { return fp8_message("value", value); });
+  auto const fp4_message = [](char const* which, fp4_params const& p) {
+    return std::string("cache: the ") + which + " codec's fp4 scale = " + format_float(p.scale) +
+           " must be finite and > 0";
+  };
+  if constexpr (requires { fp4_params_valid(key); })
+    check<invalid_argument_error>(fp4_params_valid(key), [&] { return fp4_message("key", key); });
+  if constexpr (requires { fp4_params_valid(value); })
+    check<invalid_argument_error>(fp4_params_valid(value), [&] { return fp4_message("value", value); });
   // The byte size of the cache must fit in size_t (estimated in floating point, before any size
   // is computed in size_t, where it would wrap around).
   double residual_rows = 0;

@@ -27,6 +27,27 @@ static_assert(sizeof(block_q4_0) == 18, "block_q4_0 must be 18 bytes (ggml layou
 /// Elements per q8_0 / q4_0 block.
 KVQ_CONSTEXPR_VAR int qk_ggml = 32;
 
+/// ggml `block_mxfp4`: E8M0 scale exponent e, then 16 bytes; byte j holds element j in its low
+/// nibble and element j + 16 in its high nibble (E2M1 codes); x[j] = E2M1(code) * 2^(e - 127).
+struct block_mxfp4 {
+  u8 e;
+  u8 qs[16];
+};
+static_assert(sizeof(block_mxfp4) == 17, "block_mxfp4 must be 17 bytes (ggml layout)");
+
+/// ggml `block_nvfp4`: four UE4M3 scales (one per sub-block of 16), then 32 bytes; sub-block s
+/// uses qs[8s .. 8s + 7], byte 8s + j holding element 16s + j (low nibble) and 16s + j + 8 (high).
+struct block_nvfp4 {
+  u8 d[4];
+  u8 qs[32];
+};
+static_assert(sizeof(block_nvfp4) == 36, "block_nvfp4 must be 36 bytes (ggml layout)");
+
+/// Elements per mxfp4 block, per nvfp4 block, and per nvfp4 sub-block.
+KVQ_CONSTEXPR_VAR int qk_mxfp4 = 32;
+KVQ_CONSTEXPR_VAR int qk_nvfp4 = 64;
+KVQ_CONSTEXPR_VAR int qk_nvfp4_sub = 16;
+
 /// int8 symmetric row: fp32 scale, then head_dim signed codes; x[i] = q[i] * scale.
 KVQ_CONSTEXPR_VAR int int8_row_header_bytes = 4;
 

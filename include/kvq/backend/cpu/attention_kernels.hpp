@@ -315,9 +315,12 @@ struct simd_attention {
       f(int8_rows{tr.rows});
     } else if constexpr (std::is_same_v<C, fp8_e4m3> || std::is_same_v<C, fp8_e5m2>) {
       f(fp8_rows<std::is_same_v<C, fp8_e4m3>>{tr.rows, p.scale});
-    } else if constexpr (simd::kivi_value_traits<C>::value && C::group == 32 && 32 % W == 0) {
-      f(kivi_value_rows<C::bits>{tr.rows, C::group_channels(d)});
-    } else {
+    } else if constexpr (simd::kivi_value_traits<C>::value) {
+      if constexpr (C::group == 32 && 32 % W == 0)
+        f(kivi_value_rows<C::bits>{tr.rows, C::group_channels(d)});
+      else
+        decoded<C>(src, p, d, t, m, tr, buffer, f);
+    } else {  // codecs without a loader (mxfp4, nvfp4, ...): decoded rows
       decoded<C>(src, p, d, t, m, tr, buffer, f);
     }
   }

@@ -48,13 +48,15 @@ inline auto store_as(float x) -> T {
   }
 }
 
-/// The run-time parameters of codec C as its region carries them (fp8 scale and overflow mode).
+/// The run-time parameters of codec C as its region carries them (fp8 / fp4 scale, fp8 overflow).
 template <codec C>
 auto params_of(kvq_region const& r) -> typename C::params_type {
   typename C::params_type p{};
   if constexpr (std::is_same_v<typename C::params_type, fp8_params>) {
-    p.scale = r.fp8_scale;
+    p.scale = r.codec_scale;
     p.overflow = r.fp8_saturate != 0 ? fp8_overflow::saturate : fp8_overflow::no_saturate;
+  } else if constexpr (std::is_same_v<typename C::params_type, fp4_params>) {
+    p.scale = r.codec_scale;
   }
   return p;
 }

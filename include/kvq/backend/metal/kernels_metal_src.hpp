@@ -379,6 +379,27 @@ static_assert(sizeof(block_q4_0) == 18, "block_q4_0 must be 18 bytes (ggml layou
 /// Elements per q8_0 / q4_0 block.
 KVQ_CONSTEXPR_VAR int qk_ggml = 32;
 
+/// ggml `block_mxfp4`: E8M0 scale exponent e, then 16 bytes; byte j holds element j in its low
+/// nibble and element j + 16 in its high nibble (E2M1 codes); x[j] = E2M1(code) * 2^(e - 127).
+struct block_mxfp4 {
+  u8 e;
+  u8 qs[16];
+};
+static_assert(sizeof(block_mxfp4) == 17, "block_mxfp4 must be 17 bytes (ggml layout)");
+
+/// ggml `block_nvfp4`: four UE4M3 scales (one per sub-block of 16), then 32 bytes; sub-block s
+/// uses qs[8s .. 8s + 7], byte 8s + j holding element 16s + j (low nibble) and 16s + j + 8 (high).
+struct block_nvfp4 {
+  u8 d[4];
+  u8 qs[32];
+};
+static_assert(sizeof(block_nvfp4) == 36, "block_nvfp4 must be 36 bytes (ggml layout)");
+
+/// Elements per mxfp4 block, per nvfp4 block, and per nvfp4 sub-block.
+KVQ_CONSTEXPR_VAR int qk_mxfp4 = 32;
+KVQ_CONSTEXPR_VAR int qk_nvfp4 = 64;
+KVQ_CONSTEXPR_VAR int qk_nvfp4_sub = 16;
+
 /// int8 symmetric row: fp32 scale, then head_dim signed codes; x[i] = q[i] * scale.
 KVQ_CONSTEXPR_VAR int int8_row_header_bytes = 4;
 
@@ -388,6 +409,257 @@ KVQ_CONSTEXPR_VAR int kivi_group_header_bytes = 4;
 }  // namespace detail
 KVQ_NAMESPACE_END
 #line 32 "kvq/core/kernel_bodies.h"
+#line 1 "kvq/detail/math_fp4.h"
+// kvq: element math of ggml's MXFP4 and NVFP4 (C++14 subset; C++, CUDA, Metal).
+//
+// Byte-exact with ggml's quantize_row_mxfp4_ref / quantize_row_nvfp4_ref and their dequantizers
+// (FORMATS.md §7; the rules are written out in testvectors/README.md §3), in integer and
+// correctly rounded float32 arithmetic only, so every backend computes the same bytes:
+//   * element codes (E2M1, ggml's doubled table K = 0, 1, 2, 3, 4, 6, 8, 12 and negatives):
+//     scan the 16 codes in order, keep a code only when |K*h - x| (rounded to float32) is strictly
+//     smaller than the best so far (h the half-scale): the lowest code wins a tie;
+//   * MXFP4 E8M0 exponent: e = floor(log2f(amax)) - 2 + 127 with log2f rounded to float32 first,
+//     which rounds up for the last N(k) floats below 2^k; computed from the bits (no log2);
+//   * NVFP4 UE4M3 scale of s = amax / 6: ggml_fp32_to_ue4m3 (saturating at 448, round half up,
+//     a subnormal branch through s * 512 + 0.5 capped at code 7).
+// kvq's own rules where ggml has none: a block (MXFP4) or sub-block (NVFP4) holding a NaN or ±Inf
+// stores the scale byte 0xFF (E8M0 NaN) or 0x7F (E4M3 NaN) and codes 0, and decodes to NaN; an
+// MXFP4 amax below 2^-125 (where ggml's exponent is undefined) gets e = 0.
+
+
+#line 1 "kvq/detail/numeric.h"
+// kvq: f16 and bf16 storage types with bit-exact conversions (C++14 subset; C++, CUDA, Metal).
+//
+// Conversions from f32 round to nearest, ties to even, using integer operations only, so the
+// result never depends on the floating-point environment or on compiler `_Float16` support.
+//   f32 -> f16 : subnormals kept, |x| >= 65520 -> ±Inf, NaN -> quiet NaN (sign and top payload
+//                bits kept, as x86 F16C and AArch64 FCVT do).
+//   f32 -> bf16: subnormals kept, overflow -> ±Inf, NaN -> quiet NaN (sign and top payload kept).
+//   f16/bf16 -> f32: exact.
+
+
+#line 12 "kvq/detail/numeric.h"
+
+KVQ_NAMESPACE_BEGIN
+
+/// IEEE-754 binary16 storage: a value type holding the 16 raw bits.
+struct f16 {
+  detail::u16 bits;
+};
+
+/// bfloat16 storage (the top half of a binary32): a value type holding the 16 raw bits.
+struct bf16 {
+  detail::u16 bits;
+};
+
+namespace detail {
+
+/// Converts a float to binary16 bits, round to nearest even.
+KVQ_HOST_DEVICE u16 f32_to_f16_bits(float x) {
+  const u32 u = f32_bits(x);
+  const u32 sign = (u >> 16) & 0x8000u;
+  const u32 a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<u16>(sign | 0x7e00u | ((a >> 13) & 0x03ffu));  // NaN, quieted
+  if (a >= 0x477ff000u) return static_cast<u16>(sign | 0x7c00u);                         // >= 65520 (incl. Inf) -> Inf
+  if (a >= 0x38800000u) {           // normal binary16 range (>= 2^-14)
+    const u32 r = a - 0x38000000u;  // rebias exponent 127 -> 15
+    return static_cast<u16>(sign | ((r + 0x0fffu + ((r >> 13) & 1u)) >> 13));
+  }
+  if (a < 0x33000000u) return static_cast<u16>(sign);  // <= 2^-25 (half the min subnormal, a tie to 0)
+  // binary16 subnormal: value = m * 2^(e - 150), quantum 2^-24 -> shift right by 126 - e.
+  const u32 e = a >> 23;
+  const u32 m = (a & 0x007fffffu) | 0x00800000u;
+  const u32 shift = 126u - e;  // 14 .. 24
+  u32 q = m >> shift;
+  const u32 rem = m & ((1u << shift) - 1u);
+  const u32 half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return static_cast<u16>(sign | q);
+}
+
+/// Converts binary16 bits to the exactly equal float.
+KVQ_HOST_DEVICE float f16_bits_to_f32(u16 h) {
+  const u32 sign = (static_cast<u32>(h) & 0x8000u) << 16;
+  const u32 e = (static_cast<u32>(h) >> 10) & 0x1fu;
+  u32 m = static_cast<u32>(h) & 0x03ffu;
+  if (e == 0x1fu) return f32_from_bits(sign | 0x7f800000u | (m << 13));  // Inf / NaN
+  if (e != 0u) return f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
+  if (m == 0u) return f32_from_bits(sign);
+  // Subnormal: normalise the significand.
+  u32 exp = 113u;
+  while ((m & 0x0400u) == 0u) {
+    m <<= 1;
+    --exp;
+  }
+  return f32_from_bits(sign | (exp << 23) | ((m & 0x03ffu) << 13));
+}
+
+/// Converts a float to bfloat16 bits, round to nearest even.
+KVQ_HOST_DEVICE u16 f32_to_bf16_bits(float x) {
+  const u32 u = f32_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<u16>((u >> 16) | 0x0040u);  // NaN, quieted
+  return static_cast<u16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/// Converts bfloat16 bits to the exactly equal float.
+KVQ_HOST_DEVICE float bf16_bits_to_f32(u16 b) { return f32_from_bits(static_cast<u32>(b) << 16); }
+
+/// Converts a float to binary16 bits, round to nearest even, saturating to ±65504 instead of
+/// overflowing to Inf (NaN stays NaN).
+KVQ_HOST_DEVICE u16 f32_to_f16_bits_sat(float x) {
+  const u16 h = f32_to_f16_bits(x);
+  if ((h & 0x7fffu) == 0x7c00u) return static_cast<u16>((h & 0x8000u) | 0x7bffu);
+  return h;
+}
+
+/// Converts a float to binary16 bits, round to nearest even, finite values saturating to ±65504
+/// (±Inf and NaN are kept): how every cache stores values in the KIVI f16 residual and window.
+KVQ_HOST_DEVICE u16 f32_to_f16_bits_satfinite(float x) {
+  return is_finite_f32(x) ? f32_to_f16_bits_sat(x) : f32_to_f16_bits(x);
+}
+
+}  // namespace detail
+
+/// Rounds a float to the nearest f16 (ties to even).
+KVQ_HOST_DEVICE f16 to_f16(float x) {
+  f16 r;
+  r.bits = detail::f32_to_f16_bits(x);
+  return r;
+}
+
+/// Rounds a float to the nearest bf16 (ties to even).
+KVQ_HOST_DEVICE bf16 to_bf16(float x) {
+  bf16 r;
+  r.bits = detail::f32_to_bf16_bits(x);
+  return r;
+}
+
+/// Widens an f16 to float (exact).
+KVQ_HOST_DEVICE float to_f32(f16 h) { return detail::f16_bits_to_f32(h.bits); }
+
+/// Widens a bf16 to float (exact).
+KVQ_HOST_DEVICE float to_f32(bf16 b) { return detail::bf16_bits_to_f32(b.bits); }
+
+/// Returns the float unchanged (lets generic code call `to_f32` on every element type).
+KVQ_HOST_DEVICE float to_f32(float x) { return x; }
+
+KVQ_NAMESPACE_END
+#line 19 "kvq/detail/math_fp4.h"
+
+KVQ_NAMESPACE_BEGIN
+namespace detail {
+
+/// E8M0 scale byte of an MXFP4 block holding a NaN or ±Inf.
+KVQ_CONSTEXPR_VAR u8 mxfp4_poisoned_scale = 0xffu;
+/// UE4M3 scale byte of an NVFP4 sub-block holding a NaN or ±Inf.
+KVQ_CONSTEXPR_VAR u8 nvfp4_poisoned_scale = 0x7fu;
+
+/// The NaN a poisoned block decodes to (kvq's canonical quiet NaN).
+KVQ_HOST_DEVICE float fp4_nan() { return f32_from_bits(0x7fc00000u); }
+
+/// ggml's doubled E2M1 value of a 4-bit code: K = 0, 1, 2, 3, 4, 6, 8, 12 for codes 0..7, their
+/// negatives for codes 8..15.
+KVQ_HOST_DEVICE int fp4_doubled_value(int code) {
+  const int i = code & 7;
+  const int mag = i < 4 ? i : (i < 6 ? 4 + 2 * (i - 4) : 8 + 4 * (i - 6));
+  return (code & 8) != 0 ? -mag : mag;
+}
+
+/// The code of x for half-scale h (ggml's best_index_mxfp4): the first code of least float32
+/// error |K*h - x|.
+KVQ_HOST_DEVICE int fp4_code(float x, float h) {
+  int best = 0;
+  float best_err = abs_f32(add_rn(0.0f, -x));
+  for (int i = 1; i < 16; ++i) {
+    const float p = mul_rn(static_cast<float>(fp4_doubled_value(i)), h);
+    const float err = abs_f32(add_rn(p, -x));
+    if (err < best_err) {
+      best = i;
+      best_err = err;
+    }
+  }
+  return best;
+}
+
+#if !defined(__METAL_VERSION__)  // host code only (a Metal pointer parameter needs an address space)
+/// fp4_code(x, h) with the 16 candidate values K[i] * h precomputed in `table` (same code).
+KVQ_HOST_DEVICE int fp4_code_table(float x, const float* table) {
+  int best = 0;
+  float best_err = abs_f32(add_rn(0.0f, -x));
+  for (int i = 1; i < 16; ++i) {
+    const float err = abs_f32(add_rn(table[i], -x));
+    if (err < best_err) {
+      best = i;
+)kvq_msl",
+    R"kvq_msl(      best_err = err;
+    }
+  }
+  return best;
+}
+#endif
+
+/// The value of code c at half-scale h: K[c] * h (exact).
+KVQ_HOST_DEVICE float fp4_value(int code, float h) { return mul_rn(static_cast<float>(fp4_doubled_value(code)), h); }
+
+/// How many floats just below 2^k have log2f(x) rounded up to k (testvectors/README.md §3).
+KVQ_HOST_DEVICE int mxfp4_log2_roundup(int k) {
+  const int a = k > 0 ? k : 1 - k;
+  return a <= 2 ? 0 : a <= 4 ? 1 : a <= 8 ? 2 : a <= 16 ? 5 : a <= 32 ? 11 : a <= 64 ? 22 : 44;
+}
+
+/// E8M0 exponent byte of an MXFP4 block of finite amax: floor(log2f(amax)) - 2 + 127, 0 for
+/// amax = 0 (and for amax < 2^-125).
+KVQ_HOST_DEVICE u8 mxfp4_exponent(float amax) {
+  const u32 b = f32_bits(amax);
+  const int biased = static_cast<int>(b >> 23);
+  if (b == 0u || biased == 0) return 0;
+  int e = biased - 127;  // floor(log2(amax)), exactly
+  const int k = e + 1;
+  const u32 next = k >= 128 ? 0x7f800000u : static_cast<u32>(k + 127) << 23;  // bits of 2^k
+  if (b + static_cast<u32>(mxfp4_log2_roundup(k)) >= next) e = k;
+  const int byte = e - 2 + 127;
+  return static_cast<u8>(byte < 0 ? 0 : byte);
+}
+
+/// Half of the E8M0 scale 2^(e - 127) (ggml_e8m0_to_fp32_half): 2^(e - 128).
+KVQ_HOST_DEVICE float mxfp4_half_scale(u8 e) {
+  const u32 bits = e < 2u ? (0x00200000u << e) : (static_cast<u32>(e) - 1u) << 23;
+  return f32_from_bits(bits);
+}
+
+/// UE4M3 byte of an NVFP4 sub-block scale s = amax / 6 (ggml_fp32_to_ue4m3).
+KVQ_HOST_DEVICE u8 nvfp4_scale_code(float s) {
+  if (!(s > 0.0f)) return 0;
+  if (s > 448.0f) s = 448.0f;
+  if (s < 0.015625f) {  // below 2^-6: subnormal codes m * 2^-9, m = trunc(s * 512 + 0.5) capped at 7
+    const int m = static_cast<int>(add_rn(mul_rn(s, 512.0f), 0.5f));
+    return static_cast<u8>(m > 7 ? 7 : m);
+  }
+  const u32 b = f32_bits(s);
+  int e = static_cast<int>(b >> 23) - 127;
+  if (e >= 8) return 0x7e;
+  const u32 f = b & 0x007fffffu;
+  int m = static_cast<int>(f >> 20) + static_cast<int>((f >> 19) & 1u);  // round half up
+  if (m == 8) {
+    m = 0;
+    ++e;
+    if (e == 8) return 0x7e;
+  }
+  return static_cast<u8>(((e + 7) << 3) | m);
+}
+
+/// Half of the UE4M3 scale of byte b (ggml_ue4m3_to_fp32 halved): 0 for 0x00; bit 7 ignored.
+/// The NaN byte 0x7F is the caller's (nvfp4_poisoned_scale).
+KVQ_HOST_DEVICE float nvfp4_half_scale(u8 b) {
+  const u32 ex = (static_cast<u32>(b) >> 3) & 15u;
+  const u32 m = static_cast<u32>(b) & 7u;
+  if (ex == 0u) return mul_rn(static_cast<float>(m), 0.0009765625f);  // m * 2^-9 / 2
+  return f32_from_bits(((ex - 7u + 126u) << 23) | (m << 20));         // (1 + m/8) * 2^(ex-7) / 2
+}
+
+}  // namespace detail
+KVQ_NAMESPACE_END
+#line 33 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_fp8.h"
 // kvq: element math of the FP8 codecs E4M3FN and E5M2 (C++14 subset; C++, CUDA, Metal).
 //
@@ -509,7 +781,7 @@ KVQ_HOST_DEVICE float e5m2_to_f32_scaled(u8 code, float scale) { return mul_rn(e
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 33 "kvq/core/kernel_bodies.h"
+#line 34 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_ggml.h"
 // kvq: element math of ggml's q8_0 and q4_0 (C++14 subset; C++, CUDA, Metal).
 //
@@ -521,124 +793,6 @@ KVQ_NAMESPACE_END
 //     neutral, so the block decodes to ±0 exactly as the stored d says.
 
 
-#line 1 "kvq/detail/numeric.h"
-// kvq: f16 and bf16 storage types with bit-exact conversions (C++14 subset; C++, CUDA, Metal).
-//
-// Conversions from f32 round to nearest, ties to even, using integer operations only, so the
-// result never depends on the floating-point environment or on compiler `_Float16` support.
-//   f32 -> f16 : subnormals kept, |x| >= 65520 -> ±Inf, NaN -> quiet NaN (sign and top payload
-//                bits kept, as x86 F16C and AArch64 FCVT do).
-//   f32 -> bf16: subnormals kept, overflow -> ±Inf, NaN -> quiet NaN (sign and top payload kept).
-//   f16/bf16 -> f32: exact.
-
-
-#line 12 "kvq/detail/numeric.h"
-
-KVQ_NAMESPACE_BEGIN
-
-/// IEEE-754 binary16 storage: a value type holding the 16 raw bits.
-struct f16 {
-  detail::u16 bits;
-};
-
-/// bfloat16 storage (the top half of a binary32): a value type holding the 16 raw bits.
-struct bf16 {
-  detail::u16 bits;
-};
-
-namespace detail {
-
-/// Converts a float to binary16 bits, round to nearest even.
-KVQ_HOST_DEVICE u16 f32_to_f16_bits(float x) {
-  const u32 u = f32_bits(x);
-  const u32 sign = (u >> 16) & 0x8000u;
-  const u32 a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<u16>(sign | 0x7e00u | ((a >> 13) & 0x03ffu));  // NaN, quieted
-  if (a >= 0x477ff000u) return static_cast<u16>(sign | 0x7c00u);                         // >= 65520 (incl. Inf) -> Inf
-  if (a >= 0x38800000u) {           // normal binary16 range (>= 2^-14)
-    const u32 r = a - 0x38000000u;  // rebias exponent 127 -> 15
-    return static_cast<u16>(sign | ((r + 0x0fffu + ((r >> 13) & 1u)) >> 13));
-  }
-  if (a < 0x33000000u) return static_cast<u16>(sign);  // <= 2^-25 (half the min subnormal, a tie to 0)
-  // binary16 subnormal: value = m * 2^(e - 150), quantum 2^-24 -> shift right by 126 - e.
-  const u32 e = a >> 23;
-  const u32 m = (a & 0x007fffffu) | 0x00800000u;
-  const u32 shift = 126u - e;  // 14 .. 24
-  u32 q = m >> shift;
-)kvq_msl",
-    R"kvq_msl(  const u32 rem = m & ((1u << shift) - 1u);
-  const u32 half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (q & 1u))) ++q;
-  return static_cast<u16>(sign | q);
-}
-
-/// Converts binary16 bits to the exactly equal float.
-KVQ_HOST_DEVICE float f16_bits_to_f32(u16 h) {
-  const u32 sign = (static_cast<u32>(h) & 0x8000u) << 16;
-  const u32 e = (static_cast<u32>(h) >> 10) & 0x1fu;
-  u32 m = static_cast<u32>(h) & 0x03ffu;
-  if (e == 0x1fu) return f32_from_bits(sign | 0x7f800000u | (m << 13));  // Inf / NaN
-  if (e != 0u) return f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
-  if (m == 0u) return f32_from_bits(sign);
-  // Subnormal: normalise the significand.
-  u32 exp = 113u;
-  while ((m & 0x0400u) == 0u) {
-    m <<= 1;
-    --exp;
-  }
-  return f32_from_bits(sign | (exp << 23) | ((m & 0x03ffu) << 13));
-}
-
-/// Converts a float to bfloat16 bits, round to nearest even.
-KVQ_HOST_DEVICE u16 f32_to_bf16_bits(float x) {
-  const u32 u = f32_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<u16>((u >> 16) | 0x0040u);  // NaN, quieted
-  return static_cast<u16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-/// Converts bfloat16 bits to the exactly equal float.
-KVQ_HOST_DEVICE float bf16_bits_to_f32(u16 b) { return f32_from_bits(static_cast<u32>(b) << 16); }
-
-/// Converts a float to binary16 bits, round to nearest even, saturating to ±65504 instead of
-/// overflowing to Inf (NaN stays NaN).
-KVQ_HOST_DEVICE u16 f32_to_f16_bits_sat(float x) {
-  const u16 h = f32_to_f16_bits(x);
-  if ((h & 0x7fffu) == 0x7c00u) return static_cast<u16>((h & 0x8000u) | 0x7bffu);
-  return h;
-}
-
-/// Converts a float to binary16 bits, round to nearest even, finite values saturating to ±65504
-/// (±Inf and NaN are kept): how every cache stores values in the KIVI f16 residual and window.
-KVQ_HOST_DEVICE u16 f32_to_f16_bits_satfinite(float x) {
-  return is_finite_f32(x) ? f32_to_f16_bits_sat(x) : f32_to_f16_bits(x);
-}
-
-}  // namespace detail
-
-/// Rounds a float to the nearest f16 (ties to even).
-KVQ_HOST_DEVICE f16 to_f16(float x) {
-  f16 r;
-  r.bits = detail::f32_to_f16_bits(x);
-  return r;
-}
-
-/// Rounds a float to the nearest bf16 (ties to even).
-KVQ_HOST_DEVICE bf16 to_bf16(float x) {
-  bf16 r;
-  r.bits = detail::f32_to_bf16_bits(x);
-  return r;
-}
-
-/// Widens an f16 to float (exact).
-KVQ_HOST_DEVICE float to_f32(f16 h) { return detail::f16_bits_to_f32(h.bits); }
-
-/// Widens a bf16 to float (exact).
-KVQ_HOST_DEVICE float to_f32(bf16 b) { return detail::bf16_bits_to_f32(b.bits); }
-
-/// Returns the float unchanged (lets generic code call `to_f32` on every element type).
-KVQ_HOST_DEVICE float to_f32(float x) { return x; }
-
-KVQ_NAMESPACE_END
 #line 12 "kvq/detail/math_ggml.h"
 
 KVQ_NAMESPACE_BEGIN
@@ -678,7 +832,7 @@ KVQ_HOST_DEVICE float q4_0_value(int nibble, float d) { return static_cast<float
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 34 "kvq/core/kernel_bodies.h"
+#line 35 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_int8.h"
 // kvq: element math of the int8 symmetric per-(token, head) codec (C++14 subset).
 //
@@ -709,11 +863,12 @@ KVQ_HOST_DEVICE int int8_code(float x, float scale) {
 }
 
 /// Decoded value of an int8 code: q * scale.
-KVQ_HOST_DEVICE float int8_value(int q, float scale) { return static_cast<float>(q) * scale; }
+)kvq_msl",
+    R"kvq_msl(KVQ_HOST_DEVICE float int8_value(int q, float scale) { return static_cast<float>(q) * scale; }
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 35 "kvq/core/kernel_bodies.h"
+#line 36 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_kivi.h"
 // kvq: element math of the KIVI codecs (C++14 subset; C++, CUDA, Metal).
 //
@@ -834,8 +989,8 @@ KVQ_HOST_DEVICE u8 kivi_pack(u8 byte, int code, int i, int bits) {
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 36 "kvq/core/kernel_bodies.h"
 #line 37 "kvq/core/kernel_bodies.h"
+#line 38 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/core/kernel_args.h"
 // kvq: the arguments of kvq's GPU kernels, one definition for every backend (C++14 subset: C++,
 // CUDA and the Metal Shading Language compile it alike).
@@ -857,8 +1012,7 @@ KVQ_NAMESPACE_END
 #endif
 
 /// Codec of a kernel: a template argument of the CUDA kernels, a function constant of the Metal
-)kvq_msl",
-    R"kvq_msl(/// pipelines, so every codec switch of the kernel bodies folds away.
+/// pipelines, so every codec switch of the kernel bodies folds away.
 enum kvq_codec_id : int32_t {
   kvq_codec_f32 = 0,
   kvq_codec_f16 = 1,
@@ -873,6 +1027,8 @@ enum kvq_codec_id : int32_t {
   kvq_codec_kivi_key2 = 10,  ///< KIVI keys, per channel over tiles of G tokens, 2-bit
   kvq_codec_kivi_key4 = 11,
   kvq_codec_kivi_key8 = 12,
+  kvq_codec_mxfp4 = 13,  ///< ggml MXFP4: blocks of 32, E8M0 scale, E2M1 codes
+  kvq_codec_nvfp4 = 14,  ///< ggml NVFP4: blocks of 64, four UE4M3 scales, E2M1 codes
 };
 
 /// Element type of a kernel's input (appended keys/values) or output (decoded rows).
@@ -899,7 +1055,7 @@ struct kvq_region {
   int32_t quantized;         ///< tokens [0, quantized) are encoded units
   int32_t residual_rows;     ///< rows of the residual buffer (>= 1; the ring modulus)
   int32_t residual_first;    ///< residual row of token `quantized`
-  float fp8_scale;           ///< fp8 codecs: code = fp8(x / scale), value = fp8 * scale
+  float codec_scale;         ///< fp8, mxfp4, nvfp4: code = codec(x / scale), value = codec * scale
   int32_t fp8_saturate;      ///< fp8 codecs: 1 saturates overflow to ±max finite, 0 does not
   int32_t reserved;
 };
@@ -966,7 +1122,8 @@ struct kvq_attention_seq {
   int32_t end;                   ///< one past the last attended token
   int32_t reserved;
 };
-static_assert(sizeof(kvq_attention_seq) == 24, "kvq_attention_seq must be 24 bytes on every compiler");
+)kvq_msl",
+    R"kvq_msl(static_assert(sizeof(kvq_attention_seq) == 24, "kvq_attention_seq must be 24 bytes on every compiler");
 
 /// Arguments of the partial attention kernel (flash decoding, one query token per sequence).
 ///
@@ -1040,7 +1197,7 @@ KVQ_HOST_DEVICE kvq_attention_smem kvq_attention_smem_layout(int32_t head_dim, i
   s.total = (end + 3) / 4 * 4;
   return s;
 }
-#line 38 "kvq/core/kernel_bodies.h"
+#line 39 "kvq/core/kernel_bodies.h"
 
 #if !defined(__METAL_VERSION__)
 #  include <math.h>
@@ -1119,8 +1276,7 @@ KVQ_HOST_DEVICE float quiet_nan() { return kd::f32_from_bits(0x7fc00000u); }
 KVQ_HOST_DEVICE float round_f16(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits(x)); }
 
 /// Rounds a float to f16 and back as the KIVI residual stores it: finite values saturate to ±65504.
-)kvq_msl",
-    R"kvq_msl(KVQ_HOST_DEVICE float round_f16_satfinite(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits_satfinite(x)); }
+KVQ_HOST_DEVICE float round_f16_satfinite(float x) { return kd::f16_bits_to_f32(kd::f32_to_f16_bits_satfinite(x)); }
 
 /// e^x: the C library's expf on the host, CUDA's expf, Metal's precise::exp (never a fast form).
 KVQ_HOST_DEVICE float exp_f32(float x) {
@@ -1246,7 +1402,8 @@ KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8
   return r;
 }
 
-// ---- encoders ----------------------------------------------------------------------------------
+)kvq_msl",
+    R"kvq_msl(// ---- encoders ----------------------------------------------------------------------------------
 
 /// Encodes block b (channels [32b, 32b + 32)) of a row as ggml block_q8_0 at blk (34 bytes); lanes
 /// past head_dim are padding with code 0. As q8_0::encode_block.
@@ -1348,6 +1505,67 @@ KVQ_HOST_DEVICE void encode_kivi_value(row_ref x, int head_dim, int b, int group
   }
 }
 
+/// Channel c of a row divided by the codec scale, as the FP4 encoders see it.
+KVQ_HOST_DEVICE float fp4_input(row_ref x, int c, float scale) { return kd::div_rn(row_value(x, c), scale); }
+
+/// Encodes block b (channels [32b, 32b + 32)) of a row as ggml block_mxfp4 at blk (17 bytes);
+/// lanes past head_dim are zero padding. As mxfp4::encode_block.
+KVQ_HOST_DEVICE void encode_mxfp4(row_ref x, int head_dim, int b, float scale, KVQ_GLOBAL u8* blk) {
+  const int c0 = kd::qk_mxfp4 * b;
+  const int n = imin(kd::qk_mxfp4, head_dim - c0);
+  float amax = 0.0f;
+  bool finite = true;
+  for (int j = 0; j < n; ++j) {
+    const float v = fp4_input(x, c0 + j, scale);
+    finite = finite && kd::is_finite_f32(v);
+    const float av = kd::abs_f32(v);
+    amax = av > amax ? av : amax;
+  }
+  if (!finite) {
+    blk[0] = kd::mxfp4_poisoned_scale;
+    for (int j = 0; j < 16; ++j) blk[1 + j] = 0;
+    return;
+  }
+  const u8 e = kd::mxfp4_exponent(amax);
+  const float h = kd::mxfp4_half_scale(e);
+  blk[0] = e;
+  for (int j = 0; j < 16; ++j) {
+    const int lo = kd::fp4_code(j < n ? fp4_input(x, c0 + j, scale) : 0.0f, h);
+    const int hi = kd::fp4_code(j + 16 < n ? fp4_input(x, c0 + j + 16, scale) : 0.0f, h);
+    blk[1 + j] = static_cast<u8>(lo | (hi << 4));
+  }
+}
+
+/// Encodes block b (channels [64b, 64b + 64)) of a row as ggml block_nvfp4 at blk (36 bytes);
+/// lanes past head_dim are zero padding. As nvfp4::encode_block.
+KVQ_HOST_DEVICE void encode_nvfp4(row_ref x, int head_dim, int b, float scale, KVQ_GLOBAL u8* blk) {
+  for (int s = 0; s < 4; ++s) {
+    const int c0 = kd::qk_nvfp4 * b + kd::qk_nvfp4_sub * s;
+    const int n = head_dim - c0 < 0 ? 0 : imin(kd::qk_nvfp4_sub, head_dim - c0);
+    float amax = 0.0f;
+    bool finite = true;
+    for (int j = 0; j < n; ++j) {
+      const float v = fp4_input(x, c0 + j, scale);
+      finite = finite && kd::is_finite_f32(v);
+      const float av = kd::abs_f32(v);
+      amax = av > amax ? av : amax;
+    }
+    if (!finite) {
+      blk[s] = kd::nvfp4_poisoned_scale;
+      for (int j = 0; j < 8; ++j) blk[4 + 8 * s + j] = 0;
+      continue;
+    }
+    const u8 d = kd::nvfp4_scale_code(kd::div_rn(amax, 6.0f));
+    const float h = kd::nvfp4_half_scale(d);
+    blk[s] = d;
+    for (int j = 0; j < 8; ++j) {
+      const int lo = kd::fp4_code(j < n ? fp4_input(x, c0 + j, scale) : 0.0f, h);
+      const int hi = kd::fp4_code(j + 8 < n ? fp4_input(x, c0 + j + 8, scale) : 0.0f, h);
+      blk[4 + 8 * s + j] = static_cast<u8>(lo | (hi << 4));
+    }
+  }
+}
+
 /// Encodes block b of a row of a row codec into `row` (the row's first byte).
 KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq_region r, KVQ_GLOBAL u8* row) {
   switch (codec) {
@@ -1367,10 +1585,18 @@ KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq
       encode_int8(x, head_dim, row);
       break;
     case kvq_codec_fp8_e4m3:
-      row[b] = fp8_e4m3_encode(row_value(x, b), r.fp8_scale, r.fp8_saturate != 0);
+      row[b] = fp8_e4m3_encode(row_value(x, b), r.codec_scale, r.fp8_saturate != 0);
       break;
     case kvq_codec_fp8_e5m2:
-      row[b] = fp8_e5m2_encode(row_value(x, b), r.fp8_scale, r.fp8_saturate != 0);
+      row[b] = fp8_e5m2_encode(row_value(x, b), r.codec_scale, r.fp8_saturate != 0);
+      break;
+    case kvq_codec_mxfp4:
+      encode_mxfp4(x, head_dim, b, r.codec_scale,
+                   row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_mxfp4)));
+      break;
+    case kvq_codec_nvfp4:
+      encode_nvfp4(x, head_dim, b, r.codec_scale,
+                   row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_nvfp4)));
       break;
     default:  // KIVI values
       encode_kivi_value(x, head_dim, b, r.group, kivi_bits(codec), row);
@@ -1396,8 +1622,7 @@ KVQ_HOST_DEVICE void encode_key_tile_at(int codec, KVQ_ARG(kvq_write_args) a, KV
   kd::kivi_range range = kd::kivi_range_empty();
   for (int t = 0; t < g; ++t) range = kd::kivi_range_add(range, row_value(batch_row(a, layer, input, h, j * g + t), c));
   const kd::kivi_header hd = kd::kivi_make_header(range, bits);
-)kvq_msl",
-    R"kvq_msl(  st_u16(tile + 2 * static_cast<i64>(c), hd.scale);
+  st_u16(tile + 2 * static_cast<i64>(c), hd.scale);
   st_u16(tile + 2 * (static_cast<i64>(a.head_dim) + c), hd.min);
   const float s = kd::f16_bits_to_f32(hd.scale);
   const float m = kd::f16_bits_to_f32(hd.min);
@@ -1443,7 +1668,8 @@ KVQ_HOST_DEVICE void encode_key_tiles_thread(int codec, KVQ_ARG(kvq_write_args) 
                                              KVQ_GLOBAL const u8* input, i64 idx) {
   const i64 per_head = static_cast<i64>(a.count / a.dst.group) * a.head_dim;
   if (idx >= per_head * a.kv_heads) return;
-  const int h = static_cast<int>(idx / per_head);
+)kvq_msl",
+    R"kvq_msl(  const int h = static_cast<int>(idx / per_head);
   const i64 rem = idx - static_cast<i64>(h) * per_head;
   const int j = static_cast<int>(rem / a.head_dim);
   encode_key_tile_at(codec, a, layer, input, h, j, static_cast<int>(rem - static_cast<i64>(j) * a.head_dim));
@@ -1482,9 +1708,25 @@ KVQ_HOST_DEVICE float decode_row_element(int codec, KVQ_GLOBAL const u8* row, in
     case kvq_codec_int8:
       return kd::int8_value(sext8(row[kd::int8_row_header_bytes + c]), kd::f32_from_bits(ld_u32(row)));
     case kvq_codec_fp8_e4m3:
-      return fp8_e4m3_decode(row[c], r.fp8_scale);
+      return fp8_e4m3_decode(row[c], r.codec_scale);
     case kvq_codec_fp8_e5m2:
-      return fp8_e5m2_decode(row[c], r.fp8_scale);
+      return fp8_e5m2_decode(row[c], r.codec_scale);
+    case kvq_codec_mxfp4: {
+      KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c / kd::qk_mxfp4) * static_cast<i64>(sizeof(kd::block_mxfp4));
+      const int j = c % kd::qk_mxfp4;
+      const int code = j < 16 ? static_cast<int>(blk[1 + j] & 0x0fu) : static_cast<int>(blk[1 + j - 16] >> 4);
+      if (blk[0] == kd::mxfp4_poisoned_scale) return kd::fp4_nan();
+      return kd::mul_rn(kd::fp4_value(code, kd::mxfp4_half_scale(blk[0])), r.codec_scale);
+    }
+    case kvq_codec_nvfp4: {
+      KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c / kd::qk_nvfp4) * static_cast<i64>(sizeof(kd::block_nvfp4));
+      const int s = (c % kd::qk_nvfp4) / kd::qk_nvfp4_sub;
+      const int k = c % kd::qk_nvfp4_sub;
+      const u8 byte = blk[4 + 8 * s + k % 8];
+      const int code = k < 8 ? static_cast<int>(byte & 0x0fu) : static_cast<int>(byte >> 4);
+      if (blk[s] == kd::nvfp4_poisoned_scale) return kd::fp4_nan();
+      return kd::mul_rn(kd::fp4_value(code, kd::nvfp4_half_scale(blk[s])), r.codec_scale);
+    }
     default: {  // KIVI values
       const int bits = kivi_bits(codec);
       const int gv = imin(r.group, head_dim);
@@ -1614,8 +1856,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   KVQ_GLOBAL const u8* kreg = region_ptr(key_layer, kr, kv);
   KVQ_GLOBAL const u8* vreg = region_ptr(value_layer, vr, kv);
 
-)kvq_msl",
-    R"kvq_msl(  const kvq_attention_smem L = kvq_attention_smem_layout(hd, T, a.heads, a.query_q8_0);
+  const kvq_attention_smem L = kvq_attention_smem_layout(hd, T, a.heads, a.query_q8_0);
   KVQ_SHARED float* q_s = smem + L.q;
   KVQ_SHARED float* o_s = smem + L.o;
   KVQ_SHARED float* k_s = smem + L.k;
@@ -1648,7 +1889,8 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         }
         const float d = kd::q8_0_scale(amax);
         const float id = finite ? kd::ggml_inverse_scale(d) : 0.0f;
-        const float dq = kd::f16_bits_to_f32(finite ? kd::f32_to_f16_bits(d) : kd::poisoned_f16_scale);
+)kvq_msl",
+    R"kvq_msl(        const float dq = kd::f16_bits_to_f32(finite ? kd::f32_to_f16_bits(d) : kd::poisoned_f16_scale);
         qd_s[g * nb + b] = dq;
         for (int j = 0; j < 32; ++j) {
           const int code = (finite && j < n) ? kd::q8_0_code(x[c0 + j], id) : 0;
