@@ -259,14 +259,9 @@ class cache_core : public cache_codecs<Choice> {
                     int out_type, std::int64_t stride, stream_type stream) {
     if (count == 0) return;
     auto const& st = state_[static_cast<std::size_t>(layer)];
-    kvq_decode_args a{};
-    a.src = keys ? detail::key_region(key_side_, st) : detail::value_region(value_side_, st);
-    a.out_stride = static_cast<std::uint64_t>(stride);
-    a.head_dim = shape_.head_dim;
-    a.head = head;
-    a.first = static_cast<std::int32_t>(first);
-    a.count = static_cast<std::int32_t>(count);
-    a.out_type = out_type;
+    kvq_decode_args const a =
+        decode_arguments(keys ? detail::key_region(key_side_, st) : detail::value_region(value_side_, st), head, first,
+                         count, out_type, stride);
     layer_type const l = layers_[static_cast<std::size_t>(layer)];
     if (keys) {
       succeed(dev_.template decode<key_codec>(a, l, out, stream));
@@ -290,14 +285,9 @@ class cache_core : public cache_codecs<Choice> {
       auto const p = detail::plan_truncate(key_side_, value_side_, st, n);
       layer_type const layer = layers_[static_cast<std::size_t>(l)];
       for (int h = 0; h < shape_.kv_heads && p.untile_count > 0; ++h) {
-        kvq_decode_args a{};
-        a.src = detail::key_region(key_side_, st);
-        a.out_stride = static_cast<std::uint64_t>(shape_.head_dim);
-        a.head_dim = shape_.head_dim;
-        a.head = h;
-        a.first = static_cast<std::int32_t>(p.untile_first);
-        a.count = static_cast<std::int32_t>(p.untile_count);
-        a.out_type = kvq_elem_f16_sat;  // the residual saturates finite values to ±65504
+        // The residual saturates finite values to ±65504.
+        kvq_decode_args const a = decode_arguments(detail::key_region(key_side_, st), h, p.untile_first, p.untile_count,
+                                                   kvq_elem_f16_sat, shape_.head_dim);
         std::size_t const residual = key_side_.region.head0 +
                                      static_cast<std::size_t>(h) * key_side_.region.head_stride +
                                      key_side_.region.residual_offset;
@@ -356,6 +346,21 @@ class cache_core : public cache_codecs<Choice> {
   auto value_storage(int layer, int head) const -> storage_view { return storage(false, layer, head); }
 
  private:
+  /// The decode of tokens [first, first + count) of kv_head `head` of region `src` into rows of
+  /// `out_type`, `stride` elements apart.
+  auto decode_arguments(kvq_region const& src, int head, std::int64_t first, std::int64_t count, int out_type,
+                        std::int64_t stride) const -> kvq_decode_args {
+    kvq_decode_args a{};
+    a.src = src;
+    a.out_stride = static_cast<std::uint64_t>(stride);
+    a.head_dim = shape_.head_dim;
+    a.head = head;
+    a.first = static_cast<std::int32_t>(first);
+    a.count = static_cast<std::int32_t>(count);
+    a.out_type = out_type;
+    return a;
+  }
+
   auto storage(bool keys, int layer, int head) const -> storage_view {
     auto const& st = state(layer);
     check_head(head);

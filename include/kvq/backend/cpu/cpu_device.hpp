@@ -36,18 +36,6 @@ inline void saturate_to_f16_range(float* row, std::int64_t n) {
   }
 }
 
-/// Narrows a float to the output element type (round to nearest even).
-template <element T>
-inline auto store_as(float x) -> T {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else if constexpr (std::is_same_v<T, f16>) {
-    return to_f16(x);
-  } else {
-    return to_bf16(x);
-  }
-}
-
 /// The run-time parameters of codec C as its region carries them (fp8 / fp4 scale, fp8 overflow).
 template <codec C>
 auto params_of(kvq_region const& r) -> typename C::params_type {
@@ -187,8 +175,6 @@ class cpu_device {
     }
     return {};
   }
-
-  auto memory_resource() const noexcept -> kvq::memory_resource* { return memory_; }
 
  private:
   template <codec C>
