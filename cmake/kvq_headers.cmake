@@ -11,7 +11,10 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/core/kernel_bodies.h
     include/kvq/core/plans.hpp
     include/kvq/core/cache_core.hpp
+    include/kvq/core/paged_core.hpp
     include/kvq/attention.hpp
+    include/kvq/paged_cache.hpp
+    include/kvq/paged_attention.hpp
     include/kvq/any_cache.hpp
     include/kvq/backend/backend.hpp
     include/kvq/backend/cpu/kernels.hpp
@@ -45,6 +48,7 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/backend/metal/kernels_metal_src.hpp
     include/kvq/backend/metal/metal_cache.hpp
     include/kvq/backend/cuda/cuda_cache_core.hpp
+    include/kvq/backend/cuda/cuda_paged_cache.hpp
 )
 
 # Optional headers that need a third-party library (not compiled on their own; installed with the rest).

@@ -10,7 +10,9 @@
 // NaN first, so a phase that read another thread's result of the same phase (a missing barrier on
 // the GPU) or an uninitialised shared value would show up as a difference.
 #include <kvq/backend/cuda/cuda_cache_core.hpp>
+#include <kvq/backend/cuda/cuda_paged_cache.hpp>
 #include <kvq/core/kernel_bodies.h>
+#include <kvq/paged_attention.hpp>
 
 #include <cstdint>
 #include <cstdlib>
@@ -20,6 +22,7 @@
 
 #include "catch_compat.hpp"
 #include "cuda/cuda_scenario.hpp"
+#include "cuda/paged_scenario.hpp"
 #include "test_support.hpp"
 
 namespace {
@@ -64,6 +67,10 @@ struct host_runtime {
                std::size_t height, int) const -> kvq::device_status {
     for (std::size_t r = 0; r < height; ++r)
       std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<char const*>(src) + r * spitch, width);
+    return {};
+  }
+  auto upload(void* dst, void const* src, std::size_t bytes, int) const -> kvq::device_status {
+    std::memcpy(dst, src, bytes);
     return {};
   }
   auto zero(void* p, std::size_t bytes, int) const -> kvq::device_status {
@@ -119,7 +126,9 @@ struct host_runtime {
         for (unsigned x = 0; x < gx; ++x) {
           std::fill(sm.begin(), sm.end(), std::numeric_limits<float>::quiet_NaN());
           long long const part = static_cast<long long>(z) * a.splits;
-          kvq::kernels::attention_block(KC, VC, a, b.seq[z], b.layer[z], b.layer[z], b.q + z * qd,
+          kvq::kernels::attention_block(KC, VC, a, b.seqs != nullptr ? b.seqs[z] : b.seq[z],
+                                        b.seqs != nullptr ? b.layer[0] : b.layer[z],
+                                        b.seqs != nullptr ? b.layer[0] : b.layer[z], b.pages, b.q + z * qd,
                                         b.part_out + part * qd, b.part_max + part * a.q_heads,
                                         b.part_sum + part * a.q_heads, sm.data(), static_cast<int>(x),
                                         static_cast<int>(y), th);
@@ -204,6 +213,56 @@ class host_harness {
   core_type core_;
 };
 
+/// The harness of paged_scenario.hpp over cuda_paged_cache_core<Choice, host_runtime>.
+template <class Choice>
+class host_paged_harness {
+ public:
+  using core_type = kvq::cuda_paged_cache_core<Choice, host_runtime>;
+
+  host_paged_harness(kvq::paged_shape const& s, int residual, kt::launch const& lo, host_runtime rt = {})
+      : core_(s, options(residual, lo), rt) {}
+
+  static auto options(int residual, kt::launch const& lo) -> typename core_type::options {
+    typename core_type::options o;
+    o.residual = residual;
+    o.threads = lo.threads;
+    o.split_tokens = lo.split_tokens;
+    return o;
+  }
+  auto add_sequence() -> kvq::sequence_id { return core_.add_sequence(); }
+  auto fork(kvq::sequence_id s) -> kvq::sequence_id { return core_.fork(s, 0); }
+  void release(kvq::sequence_id s) { core_.release(s); }
+  void truncate(kvq::sequence_id s, std::int64_t n) { core_.truncate(s, n, 0); }
+  void append(kvq::sequence_id s, int l, std::vector<float> const& k, std::vector<float> const& v, std::int64_t n) {
+    auto const& sh = core_.shape();
+    core_.append(s, l, kvq::token_major(k.data(), n, sh.kv_heads, sh.head_dim),
+                 kvq::token_major(v.data(), n, sh.kv_heads, sh.head_dim), 0);
+  }
+  auto read(bool keys, kvq::sequence_id s, int l, int h, std::int64_t first, std::int64_t count) -> std::vector<float> {
+    std::vector<float> out(static_cast<std::size_t>(count * core_.shape().head_dim), -7.0f);
+    if (keys)
+      core_.read_keys(s, l, h, first, count, out.data(), 0, 0);
+    else
+      core_.read_values(s, l, h, first, count, out.data(), 0, 0);
+    return out;
+  }
+  auto attention(int l, std::vector<kvq::sequence_id> const& ids, std::vector<float> const& q, int q_heads,
+                 kvq::attention_options const& opt) -> std::vector<float> {
+    std::vector<float> out(q.size(), -7.0f);
+    core_.attention(l, std::span<kvq::sequence_id const>(ids), q.data(), q_heads, out.data(), opt, 0);
+    return out;
+  }
+  auto pool() const -> std::vector<std::uint8_t> {
+    auto const* p = reinterpret_cast<std::uint8_t const*>(core_.pool_data());
+    return {p, p + core_.pool_bytes()};
+  }
+  auto pages() const -> kvq::page_report { return core_.pages(); }
+  auto core() -> core_type& { return core_; }
+
+ private:
+  core_type core_;
+};
+
 template <class Choice>
 auto options_with(int residual) -> kt::cpu_options<Choice> {
   kt::cpu_options<Choice> o;
@@ -267,6 +326,38 @@ TEST_CASE("cuda host: batched attention over caches of one shape", "[cuda_host]"
 TEMPLATE_TEST_CASE("cuda host: bad arguments raise typed errors, cache unchanged", "[cuda_host]", kvq::q4_0,
                    kvq::kivi<4>, kvq::fp8_e4m3) {
   kt::run_errors<TestType, host_harness>(64);
+}
+
+TEMPLATE_TEST_CASE("cuda host: the paged cache matches the CPU paged cache", "[cuda_host][paged]", kvq::f32_codec,
+                   kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::mxfp4, kvq::nvfp4,
+                   (kvq::kv_codecs<kvq::q8_0, kvq::q4_0>), (kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>),
+                   kvq::kivi<2>, kvq::kivi<4>, (kvq::kivi<8, 16>)) {
+  for (int residual : {0, 32}) {
+    INFO("R " << residual);
+    kt::run_paged<TestType, host_paged_harness>(64, residual);
+  }
+  kt::run_paged<TestType, host_paged_harness>(80, 32, {64, 40});  // split_tokens off the page grid
+}
+
+TEST_CASE("cuda host: the paged cache checks before it changes anything", "[cuda_host][paged]") {
+  host_runtime rt;
+  host_paged_harness<kvq::q8_0> g({1, 2, 64, 32, 3, 2}, 0, {}, rt);
+  auto const a = g.add_sequence();
+  auto const k = kt::kv_data(100, 2, 64, 5);
+  CHECK_THROWS_AS(g.append(a, 0, k, k, 100), kvq::capacity_error);  // 4 pages
+  REQUIRE(g.core().size(a) == 0);
+  REQUIRE(g.pages().used_pages == 0);
+  g.append(a, 0, k, k, 90);
+  std::vector<kvq::sequence_id> ids{a, a + 1};
+  std::vector<float> q(2 * 4 * 64), out(q.size());
+  CHECK_THROWS_AS(g.core().attention(0, ids, q.data(), 4, out.data(), {}, 0), kvq::index_error);
+  CHECK_THROWS_AS(
+      g.core().attention(0, std::span<kvq::sequence_id const>(ids.data(), 1), q.data(), 3, out.data(), {}, 0),
+      kvq::shape_error);
+  rt.control->fail_in = 1;
+  CHECK_THROWS_AS(g.append(a, 0, k, k, 1), kvq::device_error);
+  CHECK_FALSE(g.core().usable());
+  CHECK_THROWS_AS(g.read(true, a, 0, 0, 0, 1), kvq::device_error);
 }
 
 TEST_CASE("cuda host: a failing runtime call makes the cache unusable", "[cuda_host]") {

@@ -1,8 +1,9 @@
 // Tests of the kvq-eval tool: its JSON output against the JSON Schema in the repository, SVG output,
-// and its handling of bad arguments.
+// its handling of bad arguments, and --paged on the real model (when the model files are present).
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -201,9 +202,14 @@ TEST_CASE("the schema validator rejects documents that break the schema", "[kvq-
 
 TEST_CASE("kvq-eval reports bad arguments and unreadable files in one line with a non-zero exit", "[kvq-eval]") {
   auto const dir = temp_dir("args");
-  for (std::string const args : {"--bogus", "--context", "--context -5", "--configs nope", "--model missing.bin",
-                                 "--model missing.bin --tokenizer missing.tok --text missing.txt",
-                                 "--json /nonexistent-dir/x.json --context 64 --layers 1 --configs f16"}) {
+  for (std::string const args :
+       {"--bogus", "--context", "--context -5", "--configs nope", "--model missing.bin",
+        "--model missing.bin --tokenizer missing.tok --text missing.txt",
+        "--json /nonexistent-dir/x.json --context 64 --layers 1 --configs f16", "--paged",
+        "--page-tokens 32 --configs f16",
+        "--model m.bin --tokenizer t.bin --text x.txt --paged --configs q8_0-K/q4_0-V",
+        "--model m.bin --tokenizer t.bin --text x.txt --paged --page-tokens 16 --configs kivi4/R32",
+        "--model m.bin --tokenizer t.bin --text x.txt --paged --page-tokens 0"}) {
     INFO(args);
     int const rc = run_eval(args, dir);
     CHECK(rc == 2);
@@ -211,4 +217,98 @@ TEST_CASE("kvq-eval reports bad arguments and unreadable files in one line with 
     CHECK(err.starts_with("kvq-eval: "));
     CHECK(std::count(err.begin(), err.end(), '\n') == 1);
   }
+}
+
+TEST_CASE("kvq-eval --paged batches every story through one paged cache at the flat perplexity", "[kvq-eval][paged]") {
+  std::filesystem::path const models = KVQ_MODELS_DIR;
+  auto const model = models / "stories260K" / "stories260K.bin";
+  auto const tok = models / "stories260K" / "tok512.bin";
+  auto const text = models / "tinystories_valid" / "sample.txt";
+  if (!std::filesystem::exists(model) || !std::filesystem::exists(tok) || !std::filesystem::exists(text)) {
+    WARN("model files absent under " << models << ": --paged not run");
+    return;
+  }
+  auto const dir = temp_dir("paged");
+  std::string const files =
+      "--model \"" + model.string() + "\" --tokenizer \"" + tok.string() + "\" --text \"" + text.string() + "\"";
+  int const rc = run_eval(files + " --paged --page-tokens 32 --configs f32,q8_0,kivi4/R32,nvfp4 --quiet --json \"" +
+                              (dir / "r.json").string() + "\"",
+                          dir);
+  INFO(read_text(dir / "err.txt"));
+  REQUIRE(rc == 0);
+  CHECK(read_text(dir / "err.txt").empty());  // no warning: the perplexities agree
+  json const doc = load(dir / "r.json");
+  auto const errs = errors_of(load(KVQ_EVAL_SCHEMA), doc);
+  for (auto const& e : errs) INFO(e);
+  CHECK(errs.empty());
+  CHECK(doc["schema_version"] == 2);
+  REQUIRE(doc["results"].size() == 4);
+  for (auto const& r : doc["results"]) {
+    INFO(r["label"].get<std::string>());
+    REQUIRE(r.contains("paged"));
+    auto const& p = r["paged"];
+    // The pages hold the flat cache's bytes: the perplexities differ by float summation order only.
+    double const flat = r["ppl"].get<double>(), paged = p["ppl"].get<double>();
+    CHECK(std::abs(paged - flat) / flat < 1e-6);
+    CHECK(p["ppl_flat"].get<double>() == flat);
+    CHECK(p["ppl_rel_diff"].get<double>() < 1e-6);
+    // Page use: every story a sequence, forked from the shared prefix, all released at the end.
+    auto const pages = p["pages"].get<std::int64_t>();
+    auto const used = p["peak_used_pages"].get<std::int64_t>();
+    auto const stories = p["stories"].get<std::int64_t>();
+    CHECK(p["page_tokens"] == 32);
+    CHECK(stories > 1);
+    CHECK(used > 0);
+    CHECK(used < pages);                                 // the pool is sized for no sharing and all stories at once
+    CHECK(used * 32 >= p["steps"].get<std::int64_t>());  // the longest story's tokens fit in the pages held
+    CHECK(p["final_used_pages"] == 0);
+    CHECK(p["forks"].get<std::int64_t>() >= 1);
+    CHECK(p["forks"].get<std::int64_t>() <= stories - 1);
+    CHECK(p["peak_sequences"].get<std::int64_t>() > 1);
+    CHECK(p["peak_sequences"].get<std::int64_t>() <= stories);
+    CHECK(p["peak_shared_pages"].get<std::int64_t>() >= 1);  // a fork shares its parent's pages
+    CHECK(p["peak_saved_pages"].get<std::int64_t>() >= p["peak_shared_pages"].get<std::int64_t>());
+    CHECK(p["steps"].get<std::int64_t>() >= 1);
+    CHECK(p["tokens"].get<std::int64_t>() >= p["steps"].get<std::int64_t>());
+    auto const& m = p["memory"];
+    auto const page_bytes = p["page_bytes"].get<std::int64_t>();
+    CHECK(m["total_bytes"].get<std::int64_t>() >= pages * page_bytes);
+    CHECK(m["key_bytes"].get<std::int64_t>() + m["value_bytes"].get<std::int64_t>() +
+              m["residual_bytes"].get<std::int64_t>() + m["alignment_bytes"].get<std::int64_t>() ==
+          m["total_bytes"].get<std::int64_t>());
+    CHECK((m["residual_bytes"].get<std::int64_t>() > 0) == r["label"].get<std::string>().starts_with("kivi"));
+  }
+  // Every configuration reports the same stories and tokens; 4-bit pages are smaller than f32's.
+  auto const& res = doc["results"];
+  for (auto const& r : res) {
+    CHECK(r["paged"]["tokens"] == res[0]["paged"]["tokens"]);
+    CHECK(r["paged"]["stories"] == res[0]["paged"]["stories"]);
+    CHECK(r["paged"]["peak_used_pages"] == res[0]["paged"]["peak_used_pages"]);  // same tokens, same page size
+  }
+  CHECK(res[2]["paged"]["page_bytes"].get<std::int64_t>() < res[0]["paged"]["page_bytes"].get<std::int64_t>());
+  std::string const table = read_text(dir / "out.txt");
+  CHECK(table.find("--paged") != std::string::npos);
+
+  // 16-token pages: the paged attention merges its softmax at other boundaries than the flat
+  // cache's, so the perplexities agree to float rounding only (about 1e-7 here).
+  REQUIRE(run_eval(files + " --paged --page-tokens 16 --configs f32,q4_0 --quiet --json \"" +
+                       (dir / "r16.json").string() + "\"",
+                   dir) == 0);
+  json const doc16 = load(dir / "r16.json");
+  CHECK(errors_of(load(KVQ_EVAL_SCHEMA), doc16).empty());
+  for (auto const& r : doc16["results"]) {
+    INFO(r["label"].get<std::string>());
+    CHECK(r["paged"]["page_tokens"] == 16);
+    CHECK(r["paged"]["ppl_rel_diff"].get<double>() < 1e-5);
+    // Half-size pages: at least as many of them, at most twice as many.
+    CHECK(r["paged"]["peak_used_pages"].get<std::int64_t>() >= res[0]["paged"]["peak_used_pages"].get<std::int64_t>());
+    CHECK(r["paged"]["peak_used_pages"].get<std::int64_t>() <=
+          2 * res[0]["paged"]["peak_used_pages"].get<std::int64_t>());
+  }
+  CHECK(doc16["results"][0]["paged"]["page_bytes"].get<std::int64_t>() * 2 ==
+        res[0]["paged"]["page_bytes"].get<std::int64_t>());  // f32: bytes scale with page_tokens
+
+  // A configuration whose codec pair --paged does not compile is a usage error naming it.
+  CHECK(run_eval(files + " --paged --configs q8_0-K/q4_0-V", dir) == 2);
+  CHECK(read_text(dir / "err.txt").find("--paged does not support configuration 'q8_0-K/q4_0-V'") != std::string::npos);
 }

@@ -67,6 +67,7 @@ struct shim_device {
   void deallocate(std::uint8_t* p, std::size_t) noexcept { std::free(p); }
   auto address(std::uint8_t* p) const -> std::byte* { return reinterpret_cast<std::byte*>(p); }
   auto output_at(std::uint8_t* p, std::size_t offset) const -> void* { return p + offset; }
+  auto offset_output(void* out, std::size_t bytes) const -> void* { return static_cast<std::uint8_t*>(out) + bytes; }
   auto finish(kd::no_stream) const -> kvq::device_status { return {}; }
   static auto grid(std::int64_t n) -> shim::size3 { return {static_cast<std::uint32_t>(n), 1, 1}; }
 
@@ -162,11 +163,12 @@ class shim_cache {
     kvq_attention_seq seq = kd::attention_sequence(key_side(), value_side(), state(l), begin, len);
     std::size_t const splits = static_cast<std::size_t>(r.plan.splits);
     std::vector<float> part_out(splits * qh * d), part_max(splits * qh), part_sum(splits * qh);
+    std::int32_t no_pages = 0;
     shim::dispatch_threadgroups(
         "kvq_attention_partial", {key_side().codec, value_side().codec},
         {static_cast<std::uint32_t>(splits), static_cast<std::uint32_t>(shape.kv_heads * r.plan.chunks), 1},
         {lo.threads, 1, 1}, r.plan.smem_bytes, lo.simd_width,
-        {&r.args, &seq, layer(l), const_cast<float*>(q), part_out.data(), part_max.data(), part_sum.data()});
+        {&r.args, &seq, layer(l), const_cast<float*>(q), part_out.data(), part_max.data(), part_sum.data(), &no_pages});
     kvq_combine_args cb{q_heads, shape.head_dim, r.plan.splits, 1};
     shim::dispatch_threads("kvq_attention_combine", {0, 0}, grid(static_cast<std::int64_t>(qh * d)),
                            {&cb, part_out.data(), part_max.data(), part_sum.data(), out});
@@ -222,7 +224,8 @@ void require_same_bytes(pair_of_caches<Choice>& c, int l) {
     REQUIRE(std::memcmp(cpu + ko, gpu + ko, k.units_bytes) == 0);
     if (k.tiles) {
       std::size_t const live = static_cast<std::size_t>(st.length - st.key_quantized) * sh.head_dim * 2;
-      REQUIRE(std::memcmp(cpu + ko + k.region.residual_offset, gpu + ko + k.region.residual_offset, live) == 0);
+      std::size_t const ro = k.region.residual0 + static_cast<std::size_t>(h) * k.region.residual_stride;
+      REQUIRE(std::memcmp(cpu + ro, gpu + ro, live) == 0);
     }
     std::size_t const vo = v.region.head0 + static_cast<std::size_t>(h) * v.region.head_stride;
     REQUIRE(std::memcmp(cpu + vo, gpu + vo, v.region.head_stride) == 0);

@@ -4,10 +4,12 @@
 #include <kvq/cache.hpp>
 #include <kvq/codec/kivi.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/paged_cache.hpp>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #if !defined(KVQ_NO_EXCEPTIONS)
@@ -43,6 +45,22 @@ void exercise() {
   require(cache.size(0) == 10, "size after truncate");
   cache.reset();
   require(cache.size(0) == 0, "size after reset");
+
+  // The paged cache: a fork, a copy-on-write append, a truncate and releases.
+  kvq::PagedKVCache<Choice> paged({1, 2, d, 32, 8, 4});
+  auto const a = paged.add_sequence();
+  paged.append(a, 0, kvq::token_major(keys.data(), 40, 2, d), kvq::token_major(values.data(), 40, 2, d));
+  auto const b = paged.fork(a);
+  paged.append(b, 0, kvq::token_major(keys.data(), 1, 2, d), kvq::token_major(values.data(), 1, 2, d));
+  // q8_0 writes token 40 into the shared second page (a copy); KIVI keeps it in the f16 residual.
+  constexpr bool kivi = std::is_same_v<Choice, kvq::kivi<4>>;
+  require(paged.size(b) == 41 && paged.used_pages() == (kivi ? 2 : 3), "paged fork and copy-on-write");
+  paged.read_values(a, 0, 1, 0, 40, out.data());
+  require(std::fabs(out[0] - values[static_cast<std::size_t>(d)]) < 0.02f, "paged first value of head 1");
+  paged.truncate(b, 20);
+  paged.release(a);
+  paged.release(b);
+  require(paged.free_pages() == 8, "paged pages returned");
 }
 
 }  // namespace

@@ -147,8 +147,93 @@ inline auto integer_dot_row(std::uint8_t const* row, int head_dim, block_q8_0 co
     return dot_row_int8(row, head_dim, q_blocks, nblocks);
 }
 
-/// Kernel tag: the scalar reference below (always compiled).
-struct reference_attention {};
+/// Decodes tokens [t0, t0 + n) of a token source of codec C to f32 rows of d floats at y: encoded
+/// units, or f16 residual rows (ring slots) from `quantized` on.
+template <codec C>
+void decode_source_tokens(cpu_kernels::token_source const& src, typename C::params_type const& p, int d,
+                          std::int64_t t0, int n, float* y) {
+  for (int i = 0; i < n; ++i) {
+    std::int64_t const t = t0 + i;
+    float* row = y + static_cast<std::ptrdiff_t>(i) * d;
+    if (t >= src.quantized) {
+      std::int64_t const slot = (src.residual_first + (t - src.quantized)) % src.residual_capacity;
+      cpu_kernels::convert_to_f32(reinterpret_cast<f16 const*>(src.residual) + slot * d, row, d);
+    } else if constexpr (C::layout == codec_layout::token_group) {
+      cpu_kernels::decode_tile_tokens<C>(src.units + static_cast<std::size_t>(t / C::group) * src.unit_bytes, d,
+                                         static_cast<int>(t % C::group), 1, row, d, p);
+    } else {
+      cpu_kernels::decode_rows<C>(src.units + static_cast<std::size_t>(t) * src.unit_bytes, src.unit_bytes, 1, d, row,
+                                  d, p);
+    }
+  }
+}
+
+/// Kernel tag: the scalar reference (always compiled), with the SIMD kernels' interface: attends
+/// the group's heads (query q: (group, head_dim), already rounded as the options say; qb: its q8_0
+/// blocks for integer key dots, or nullptr) to tokens [begin, end) of one kv head, tile by tile,
+/// token by token, updating `state`.
+struct reference_attention {
+  template <class KC, class VC>
+  static void attend(cpu_kernels::token_source const& k, typename KC::params_type const& kp,
+                     cpu_kernels::token_source const& v, typename VC::params_type const& vp,
+                     cpu_kernels::attention_call const& call, float const* q, block_q8_0 const* qb, std::int64_t begin,
+                     std::int64_t end, cpu_kernels::attention_state const& state,
+                     cpu_kernels::attention_scratch& scratch) {
+    int const d = call.head_dim;
+    std::size_t const hd = static_cast<std::size_t>(d);
+    int const q_nblocks = q8_0::geometry(d).blocks;
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    scratch.reserve(d, call.group);
+    float* const ktile = scratch.keys.data();
+    float* const vtile = scratch.values.data();
+    float* const logits = scratch.special_values.data();
+    for (std::int64_t t0 = begin; t0 < end; t0 += attention_tile) {
+      int const n = static_cast<int>(std::min<std::int64_t>(attention_tile, end - t0));
+      decode_source_tokens<KC>(k, kp, d, t0, n, ktile);
+      decode_source_tokens<VC>(v, vp, d, t0, n, vtile);
+      for (int g = 0; g < call.group; ++g) {
+        float const* qh = q + static_cast<std::size_t>(g) * hd;
+        for (int i = 0; i < n; ++i) {
+          float dot = 0.0f;
+          bool integer = false;
+          if constexpr (integer_key_dot<KC>) {
+            if (qb != nullptr && t0 + i < k.quantized) {
+              integer = true;
+              dot = integer_dot_row<KC>(k.units + static_cast<std::size_t>(t0 + i) * k.unit_bytes, d,
+                                        qb + static_cast<std::size_t>(g) * static_cast<std::size_t>(q_nblocks),
+                                        q_nblocks);
+            }
+          }
+          if (!integer) {
+            float const* kr = ktile + static_cast<std::size_t>(i) * hd;
+            for (int c = 0; c < d; ++c) dot = madd_f32(qh[c], kr[c], dot);
+          }
+          float s = dot * call.scale;
+          if (call.softcap > 0.0f) s = call.softcap * std::tanh(s / call.softcap);
+          logits[i] = s;
+        }
+        float& m = state.max[g];
+        float& sum = state.sum[g];
+        float* o = state.out + static_cast<std::size_t>(g) * hd;
+        for (int i = 0; i < n; ++i) {
+          float const s = logits[i];
+          if (s == neg_inf) continue;  // weight 0
+          if (s > m) {
+            float const corr = m == neg_inf ? 0.0f : std::exp(m - s);
+            for (int c = 0; c < d; ++c) o[c] *= corr;
+            sum *= corr;
+            m = s;
+          }
+          float const p = std::exp(s - m);  // NaN for NaN or +Inf logits, which then propagates
+          float const pv = call.f16_probabilities ? to_f32(to_f16(p)) : p;
+          sum += p;
+          float const* vr = vtile + static_cast<std::size_t>(i) * hd;
+          for (int c = 0; c < d; ++c) o[c] = madd_f32(pv, vr[c], o[c]);
+        }
+      }
+    }
+  }
+};
 
 #if defined(KVQ_CPU_HAS_AVX512) || defined(KVQ_CPU_HAS_AVX2) || defined(KVQ_CPU_HAS_NEON)
 /// The kernel attend_range uses: the best SIMD one compiled in.
@@ -174,6 +259,62 @@ inline auto token_source_of(storage_view const& v) -> cpu_kernels::token_source 
 
 namespace detail {
 
+/// The query of one attention as the products use it: f32 (rounded to q8_0 on request), and for
+/// integer key dots its q8_0 blocks.
+struct prepared_query {
+  int head_dim = 0;
+  int nblocks = 0;
+  detail::vector<float> f;       ///< (q_heads, head_dim)
+  detail::vector<block_q8_0> b;  ///< (q_heads, nblocks) when integer key dots are used, else empty
+  /// The query of head h on.
+  auto query(std::size_t h) const -> float const* { return f.data() + h * static_cast<std::size_t>(head_dim); }
+  /// The q8_0 blocks of head h on, or nullptr without integer key dots.
+  auto blocks(std::size_t h) const -> block_q8_0 const* {
+    return b.empty() ? nullptr : b.data() + h * static_cast<std::size_t>(nblocks);
+  }
+};
+
+/// Prepares the query (q_heads, d) for key codec KC under `opt`.
+template <class KC>
+auto prepare_query(float const* q, int q_heads, int d, attention_options const& opt) -> prepared_query {
+  prepared_query pq;
+  pq.head_dim = d;
+  pq.nblocks = q8_0::geometry(d).blocks;
+  std::size_t const hd = static_cast<std::size_t>(d);
+  pq.f.assign(q, q + static_cast<std::size_t>(q_heads) * hd);
+  if (opt.query == query_precision::q8_0) {
+    detail::vector<block_q8_0> qb(static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(pq.nblocks));
+    for (int h = 0; h < q_heads; ++h) {
+      auto* blocks = reinterpret_cast<std::uint8_t*>(qb.data() + static_cast<std::size_t>(h) *
+                                                                     static_cast<std::size_t>(pq.nblocks));
+      q8_0::encode_row(q + static_cast<std::size_t>(h) * hd, d, blocks);
+      q8_0::decode_row(blocks, d, pq.f.data() + static_cast<std::size_t>(h) * hd);
+    }
+    if (integer_key_dot<KC>) pq.b = std::move(qb);
+  }
+  return pq;
+}
+
+/// The kernel inputs of an attention of `group` query heads per kv head under `opt`.
+inline auto attention_call_of(int d, int group, attention_options const& opt) -> cpu_kernels::attention_call {
+  cpu_kernels::attention_call call;
+  call.head_dim = d;
+  call.group = group;
+  call.scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  call.softcap = opt.softcap;
+  call.f16_probabilities = opt.probabilities == probability_precision::f16;
+  return call;
+}
+
+/// Raises invalid_argument_error unless the scale, softcap and window of `opt` are finite and
+/// non-negative.
+inline void check_attention_options(attention_options const& opt) {
+  check<invalid_argument_error>(
+      detail::is_finite_f32(opt.scale) && opt.scale >= 0.0f && detail::is_finite_f32(opt.softcap) &&
+          opt.softcap >= 0.0f && opt.window >= 0,
+      [] { return std::string("attention: scale, softcap and window must be finite and non-negative"); });
+}
+
 /// attend_range with the kernel `Kernel`: reference_attention, or a cpu_kernels::<isa>::attention_kernel
 /// (tests compare every ISA compiled in against the reference through this entry).
 template <class Kernel, class Cache>
@@ -194,104 +335,24 @@ auto attend_range_with(Cache const& cache, int layer, float const* q, int q_head
     return "attention: range [" + std::to_string(begin) + ", " + std::to_string(end) + ") is outside the " +
            std::to_string(len) + " tokens of layer " + std::to_string(layer);
   });
-  check<invalid_argument_error>(
-      detail::is_finite_f32(opt.scale) && opt.scale >= 0.0f && detail::is_finite_f32(opt.softcap) &&
-          opt.softcap >= 0.0f && opt.window >= 0,
-      [] { return std::string("attention: scale, softcap and window must be finite and non-negative"); });
+  check_attention_options(opt);
   if (opt.window > 0) begin = std::max(begin, len - opt.window);
   end = std::max(begin, end);
 
   int const group = q_heads / kv;
-  float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
   auto part = attention_partial::empty(q_heads, d);
-
-  // The query as used in the products: f32, or rounded to q8_0 (kept as blocks for integer dots).
+  prepared_query const pq = prepare_query<key_codec>(q, q_heads, d, opt);
+  cpu_kernels::attention_call const call = attention_call_of(d, group, opt);
+  cpu_kernels::attention_scratch scratch;
+  scratch.reserve(d, group);
   std::size_t const hd = static_cast<std::size_t>(d);
-  detail::vector<float> qf(q, q + static_cast<std::size_t>(q_heads) * hd);
-  int const q_nblocks = q8_0::geometry(d).blocks;
-  detail::vector<block_q8_0> qb;
-  if (opt.query == query_precision::q8_0) {
-    qb.resize(static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(q_nblocks));
-    for (int h = 0; h < q_heads; ++h) {
-      auto* blocks = reinterpret_cast<std::uint8_t*>(qb.data() +
-                                                     static_cast<std::size_t>(h) * static_cast<std::size_t>(q_nblocks));
-      q8_0::encode_row(q + static_cast<std::size_t>(h) * hd, d, blocks);
-      q8_0::decode_row(blocks, d, qf.data() + static_cast<std::size_t>(h) * hd);
-    }
-  }
-  bool const integer_keys = integer_key_dot<key_codec> && opt.query == query_precision::q8_0;
-
-  if constexpr (!std::is_same_v<Kernel, reference_attention>) {
-    cpu_kernels::attention_call call;
-    call.head_dim = d;
-    call.group = group;
-    call.scale = scale;
-    call.softcap = opt.softcap;
-    call.f16_probabilities = opt.probabilities == probability_precision::f16;
-    cpu_kernels::attention_scratch scratch;
-    scratch.reserve(d, group);
-    for (int kh = 0; kh < kv; ++kh) {
-      std::size_t const h0 = static_cast<std::size_t>(kh) * static_cast<std::size_t>(group);
-      cpu_kernels::attention_state state{part.out.data() + h0 * hd, part.max.data() + h0, part.sum.data() + h0};
-      Kernel::template attend<key_codec, value_codec>(
-          token_source_of(cache.key_storage(layer, kh)), cache.get_options().key,
-          token_source_of(cache.value_storage(layer, kh)), cache.get_options().value, call, qf.data() + h0 * hd,
-          integer_keys ? qb.data() + h0 * static_cast<std::size_t>(q_nblocks) : nullptr, begin, end, state, scratch);
-    }
-    return part;
-  }
-
-  detail::vector<float> ktile(static_cast<std::size_t>(attention_tile) * hd);
-  detail::vector<float> vtile(ktile.size());
-  detail::vector<float> logits(static_cast<std::size_t>(attention_tile));
-  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
-
   for (int kh = 0; kh < kv; ++kh) {
-    storage_view const kview = cache.key_storage(layer, kh);
-    for (std::int64_t t0 = begin; t0 < end; t0 += attention_tile) {
-      int const n = static_cast<int>(std::min<std::int64_t>(attention_tile, end - t0));
-      cache.decode_keys_unchecked(layer, kh, t0, n, ktile.data(), d);
-      cache.decode_values_unchecked(layer, kh, t0, n, vtile.data(), d);
-      for (int g = 0; g < group; ++g) {
-        int const h = kh * group + g;
-        float const* qh = qf.data() + static_cast<std::size_t>(h) * hd;
-        for (int i = 0; i < n; ++i) {
-          float dot = 0.0f;
-          if (integer_keys) {
-            if constexpr (integer_key_dot<key_codec>) {
-              auto const* row = reinterpret_cast<std::uint8_t const*>(kview.units) +
-                                static_cast<std::size_t>(t0 + i) * kview.unit_bytes;
-              dot = integer_dot_row<key_codec>(
-                  row, d, qb.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(q_nblocks), q_nblocks);
-            }
-          } else {
-            float const* k = ktile.data() + static_cast<std::size_t>(i) * hd;
-            for (int c = 0; c < d; ++c) dot = madd_f32(qh[c], k[c], dot);
-          }
-          float s = dot * scale;
-          if (opt.softcap > 0.0f) s = opt.softcap * std::tanh(s / opt.softcap);
-          logits[static_cast<std::size_t>(i)] = s;
-        }
-        float& m = part.max[static_cast<std::size_t>(h)];
-        float& sum = part.sum[static_cast<std::size_t>(h)];
-        float* o = part.out.data() + static_cast<std::size_t>(h) * hd;
-        for (int i = 0; i < n; ++i) {
-          float const s = logits[static_cast<std::size_t>(i)];
-          if (s == neg_inf) continue;  // weight 0
-          if (s > m) {
-            float const corr = m == neg_inf ? 0.0f : std::exp(m - s);
-            for (int c = 0; c < d; ++c) o[c] *= corr;
-            sum *= corr;
-            m = s;
-          }
-          float const p = std::exp(s - m);  // NaN for NaN or +Inf logits, which then propagates
-          float const pv = opt.probabilities == probability_precision::f16 ? to_f32(to_f16(p)) : p;
-          sum += p;
-          float const* v = vtile.data() + static_cast<std::size_t>(i) * hd;
-          for (int c = 0; c < d; ++c) o[c] = madd_f32(pv, v[c], o[c]);
-        }
-      }
-    }
+    std::size_t const h0 = static_cast<std::size_t>(kh) * static_cast<std::size_t>(group);
+    cpu_kernels::attention_state state{part.out.data() + h0 * hd, part.max.data() + h0, part.sum.data() + h0};
+    Kernel::template attend<key_codec, value_codec>(
+        token_source_of(cache.key_storage(layer, kh)), cache.get_options().key,
+        token_source_of(cache.value_storage(layer, kh)), cache.get_options().value, call, pq.query(h0), pq.blocks(h0),
+        begin, end, state, scratch);
   }
   return part;
 }

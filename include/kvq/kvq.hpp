@@ -14,5 +14,7 @@
 #include "codec/q4_0.hpp"
 #include "codec/q8_0.hpp"
 #include "error.hpp"
+#include "paged_attention.hpp"
+#include "paged_cache.hpp"
 #include "simd.hpp"
 #include "version.hpp"

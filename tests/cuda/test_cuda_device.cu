@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cuda/cuda_scenario.hpp"
+#include "cuda/paged_scenario.hpp"
 
 namespace {
 
@@ -138,6 +139,63 @@ class device_harness {
   cache_type cache_;
 };
 
+/// The harness of paged_scenario.hpp over PagedKVCache<Choice, kvq::cuda> (host data copied to the
+/// device, results copied back after a synchronize).
+template <class Choice>
+class device_paged_harness {
+ public:
+  using cache_type = kvq::PagedKVCache<Choice, kvq::cuda>;
+
+  device_paged_harness(kvq::paged_shape const& s, int residual, kt::launch const& lo)
+      : cache_(s, options(residual, lo)) {}
+
+  static auto options(int residual, kt::launch const& lo) -> typename cache_type::options {
+    typename cache_type::options o;
+    o.residual = residual;
+    o.threads = lo.threads;
+    o.split_tokens = lo.split_tokens;
+    return o;
+  }
+  auto add_sequence() -> kvq::sequence_id { return cache_.add_sequence(); }
+  auto fork(kvq::sequence_id s) -> kvq::sequence_id { return cache_.fork(s, test_stream()); }
+  void release(kvq::sequence_id s) { cache_.release(s); }
+  void truncate(kvq::sequence_id s, std::int64_t n) { cache_.truncate(s, n, test_stream()); }
+  void append(kvq::sequence_id s, int l, std::vector<float> const& k, std::vector<float> const& v, std::int64_t n) {
+    auto const& sh = cache_.shape();
+    device_buffer<float> dk(k), dv(v);
+    cache_.append(s, l, kvq::token_major<float>(dk.get(), n, sh.kv_heads, sh.head_dim),
+                  kvq::token_major<float>(dv.get(), n, sh.kv_heads, sh.head_dim), test_stream());
+    cache_.synchronize(test_stream());  // before the input buffers go away
+  }
+  auto read(bool keys, kvq::sequence_id s, int l, int h, std::int64_t first, std::int64_t count) -> std::vector<float> {
+    device_buffer<float> out(static_cast<std::size_t>(count * cache_.shape().head_dim));
+    if (keys)
+      cache_.read_keys(s, l, h, first, count, out.get(), 0, test_stream());
+    else
+      cache_.read_values(s, l, h, first, count, out.get(), 0, test_stream());
+    cache_.synchronize(test_stream());
+    return out.host();
+  }
+  auto attention(int l, std::vector<kvq::sequence_id> const& ids, std::vector<float> const& q, int q_heads,
+                 kvq::attention_options const& opt) -> std::vector<float> {
+    device_buffer<float> dq(q), out(q.size());
+    kvq::paged_decode_attention(cache_, l, std::span<kvq::sequence_id const>(ids), dq.get(), q_heads, out.get(), opt,
+                                test_stream());
+    cache_.synchronize(test_stream());
+    return out.host();
+  }
+  auto pool() -> std::vector<std::uint8_t> {
+    cache_.synchronize(test_stream());
+    std::vector<std::uint8_t> v(cache_.pool_bytes());
+    cuda_ok(cudaMemcpy(v.data(), cache_.pool_data(), v.size(), cudaMemcpyDeviceToHost), "cudaMemcpy pool");
+    return v;
+  }
+  auto pages() const -> kvq::page_report { return cache_.pages(); }
+
+ private:
+  cache_type cache_;
+};
+
 template <class Choice>
 auto options_with(int residual) -> kt::cpu_options<Choice> {
   kt::cpu_options<Choice> o;
@@ -232,6 +290,14 @@ TEST_CASE("cuda: batched attention over caches of one shape", "[batched]") {
   kt::run_batched<kvq::q8_0, device_harness>(64, 5);
   kt::run_batched<kvq::kivi<2>, device_harness>(128, 4, options_with<kvq::kivi<2>>(32));
   kt::run_batched<kvq::f16_codec, device_harness>(8, 70);
+}
+
+TEMPLATE_TEST_CASE("cuda: the paged cache matches the CPU paged cache", "[paged]", kvq::f16_codec, kvq::q8_0, kvq::q4_0,
+                   kvq::fp8_e4m3, kvq::nvfp4, (kvq::kv_codecs<kvq::q8_0, kvq::q4_0>), kvq::kivi<2>, kvq::kivi<4>) {
+  for (int residual : {0, 32}) {
+    INFO("R " << residual);
+    kt::run_paged<TestType, device_paged_harness>(128, residual);
+  }
 }
 
 TEMPLATE_TEST_CASE("cuda: bad arguments raise typed errors, cache unchanged", "[errors]", kvq::q4_0, kvq::kivi<4>,

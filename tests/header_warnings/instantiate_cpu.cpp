@@ -63,6 +63,31 @@ void use_cache(float const* x, f16 const* h, bf16 const* b, float* out) {
   out[1] = static_cast<float>(c.memory().bits_per_element + kvq::plan_memory<Choice>(c.shape(), 32).bits_per_element);
   cache_t moved(std::move(c));
   moved.reset();
+
+  // The paged cache and its batched attention.
+  using paged_t = kvq::PagedKVCache<Choice>;
+  typename paged_t::options po;
+  po.residual = 32;
+  paged_t p({2, 2, 64, 32, 8, 4}, po);
+  auto const s = p.add_sequence();
+  p.reserve(s, 3);
+  p.append(s, 0, kvq::token_major(x, 3, 2, 64), kvq::token_major(x, 3, 2, 64));
+  p.append(s, 1, kvq::token_major(h, 3, 2, 64), kvq::token_major(h, 3, 2, 64));
+  p.append(s, 1, kvq::token_major(b, 1, 2, 64), kvq::token_major(b, 1, 2, 64));
+  auto const f = p.fork(s);
+  p.read_keys(f, 0, 1, 0, 2, out);
+  p.read_values(f, 1, 0, 0, 2, o16.data());
+  kvq::sequence_id const ids[] = {s, f};
+  kvq::paged_decode_attention(p, 0, std::span<kvq::sequence_id const>(ids), x, 4, out, opt, 2);
+  kvq::detail::paged_attention_with<kvq::detail::reference_attention>(p, 0, std::span<kvq::sequence_id const>(ids), x,
+                                                                      4, out, opt, 1);
+  kvq::paged_storage_view const pv = p.key_storage(f, 0, 1);
+  out[2] = static_cast<float>(pv.page_bytes + p.value_storage(s, 1, 0).unit_bytes + p.page_table(f).size());
+  p.truncate(f, 1);
+  p.release(f);
+  out[3] = static_cast<float>(p.memory().bits_per_element + static_cast<double>(p.pages().used_bytes) +
+                              static_cast<double>(p.size(s) + p.size(s, 1) + p.free_pages() + p.used_pages()) +
+                              static_cast<double>(kvq::pages_for_budget<Choice>(p.shape(), std::size_t{1} << 24, 32)));
 }
 
 /// The codec kernels of one instruction set (namespace NS) for row codec C.

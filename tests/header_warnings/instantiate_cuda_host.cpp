@@ -3,11 +3,13 @@
 // tests/test_cuda_host.cpp does), for every codec, with the strict consumer flags of
 // tests/header_warnings/CMakeLists.txt. Compile-only: nothing here is ever run.
 #include <kvq/backend/cuda/cuda_cache_core.hpp>
+#include <kvq/backend/cuda/cuda_paged_cache.hpp>
 #include <kvq/core/kernel_bodies.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <span>
 #include <vector>
 
@@ -25,6 +27,10 @@ struct host_runtime {
   void deallocate(void* p) const noexcept { std::free(p); }
   auto copy_2d(void*, std::size_t, void const*, std::size_t, std::size_t, std::size_t, int) const
       -> kvq::device_status {
+    return {};
+  }
+  auto upload(void* dst, void const* src, std::size_t bytes, int) const -> kvq::device_status {
+    std::memcpy(dst, src, bytes);
     return {};
   }
   auto zero(void*, std::size_t, int) const -> kvq::device_status { return {}; }
@@ -70,7 +76,9 @@ struct host_runtime {
       for (unsigned y = 0; y < gy; ++y)
         for (unsigned x = 0; x < gx; ++x) {
           long long const part = static_cast<long long>(z) * a.splits;
-          kvq::kernels::attention_block(KC, VC, a, b.seq[z], b.layer[z], b.layer[z], b.q + z * qd,
+          kvq::kernels::attention_block(KC, VC, a, b.seqs != nullptr ? b.seqs[z] : b.seq[z],
+                                        b.seqs != nullptr ? b.layer[0] : b.layer[z],
+                                        b.seqs != nullptr ? b.layer[0] : b.layer[z], b.pages, b.q + z * qd,
                                         b.part_out + part * qd, b.part_max + part * a.q_heads,
                                         b.part_sum + part * a.q_heads, sm.data(), static_cast<int>(x),
                                         static_cast<int>(y), threads{nthreads});
@@ -109,6 +117,26 @@ void use_core(float const* x, kvq::f16 const* h, kvq::bf16 const* b, float* out)
   c.synchronize(0);
   out[1] = static_cast<float>(c.memory().bits_per_element);
   c.reset();
+
+  // The paged cache.
+  using paged_t = kvq::cuda_paged_cache_core<Choice, host_runtime>;
+  paged_t p({2, 2, 64, 32, 8, 4}, o, host_runtime{});
+  auto const s = p.add_sequence();
+  p.reserve(s, 3);
+  p.append(s, 0, kvq::token_major(x, 3, 2, 64), kvq::token_major(x, 3, 2, 64), 0);
+  p.append(s, 1, kvq::token_major(h, 3, 2, 64), kvq::token_major(h, 3, 2, 64), 0);
+  auto const f = p.fork(s, 0);
+  p.append(f, 1, kvq::token_major(b, 1, 2, 64), kvq::token_major(b, 1, 2, 64), 0);
+  p.read_keys(f, 0, 1, 0, 2, out, 0, 0);
+  p.read_values(f, 1, 0, 0, 2, reinterpret_cast<kvq::f16*>(out), 64, 0);
+  kvq::sequence_id const ids[] = {s, f};
+  p.attention(0, std::span<kvq::sequence_id const>(ids), x, 4, out, {}, 0);
+  p.truncate(f, 1, 0);
+  p.release(f);
+  p.synchronize(0);
+  out[2] = static_cast<float>(p.memory().bits_per_element + static_cast<double>(p.pages().used_bytes) +
+                              static_cast<double>(p.size(s) + p.size(s, 1)) +
+                              static_cast<double>(p.page_table(s).size() + p.pool_bytes()));
 }
 
 }  // namespace kvq_header_warnings

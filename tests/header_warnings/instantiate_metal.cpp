@@ -51,6 +51,27 @@ void use_metal(MTL::Device* device, MTL::CommandQueue* queue, float const* x, kv
   c.synchronize();
   out[0] = static_cast<float>(c.memory().bits_per_element + static_cast<double>(c.size(0)));
   c.reset();
+
+  // The paged cache.
+  using paged_t = kvq::PagedKVCache<Choice, kvq::metal>;
+  paged_t p(lib, queue, {2, 2, 64, 32, 8, 4}, o);
+  auto const s = p.add_sequence();
+  p.reserve(s, 3);
+  p.append(s, 0, kvq::token_major(x, 3, 2, 64), kvq::token_major(x, 3, 2, 64));
+  p.append(s, 1, kvq::token_major(h, 3, 2, 64), kvq::token_major(h, 3, 2, 64));
+  auto const f = p.fork(s);
+  p.append(f, 1, kvq::token_major(b, 1, 2, 64), kvq::token_major(b, 1, 2, 64));
+  p.read_keys(f, 0, 1, 0, 2, out);
+  p.read_values(f, 1, 0, 0, 2, reinterpret_cast<kvq::f16*>(out), 64);
+  kvq::sequence_id const ids[] = {s, f};
+  p.attention(0, std::span<kvq::sequence_id const>(ids), x, 4, out);
+  p.truncate(f, 1);
+  p.release(f);
+  p.synchronize();
+  out[1] =
+      static_cast<float>(p.memory().bits_per_element + static_cast<double>(p.pages().used_bytes) +
+                         static_cast<double>(p.size(s) + p.size(s, 1)) + static_cast<double>(p.page_table(s).size()) +
+                         static_cast<double>(p.pool_buffer()->length()));
 }
 
 }  // namespace kvq_header_warnings

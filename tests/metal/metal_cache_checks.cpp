@@ -20,6 +20,8 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/paged_attention.hpp>
+#include <kvq/paged_cache.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -209,11 +211,10 @@ struct fixture {
 /// test_metal_kernels.cpp. (Its data has large logits, up to about 40, which scale rounding.)
 constexpr double attention_tolerance = 1e-4;
 
-template <class Choice>
-void check_choice(report& r, std::string const& name, int d, int residual) {
-  using gpu_cache = kvq::QuantizedKVCache<Choice, kvq::metal>;
-  using cpu_cache = kvq::QuantizedKVCache<Choice>;
-  r.where = name + " head_dim " + std::to_string(d) + " R " + std::to_string(residual);
+/// Runs body(device, queue, library) on the default Metal device, then checks that it left no
+/// metal-cpp object alive and made no misuse of the (mock) API; an exception is a failure.
+template <class F>
+void with_metal(report& r, F&& body) {
 #if defined(KVQ_METAL_MOCK)
   long const live_before = kvq_mock::live_objects();
 #endif
@@ -225,6 +226,26 @@ void check_choice(report& r, std::string const& name, int d, int residual) {
   MTL::CommandQueue* queue = device->newCommandQueue();
   try {
     auto lib = std::make_shared<kvq::metal_library>(device);
+    body(device, queue, lib);
+  } catch (std::exception const& e) {
+    r.fail(std::string("exception: ") + e.what());
+  }
+  queue->release();
+  device->release();
+#if defined(KVQ_METAL_MOCK)
+  r.expect(kvq_mock::live_objects() == live_before,
+           "metal-cpp objects leaked: " + std::to_string(kvq_mock::live_objects() - live_before));
+  for (auto const& e : kvq_mock::errors()) r.fail("metal-cpp misuse: " + e);
+  kvq_mock::errors().clear();
+#endif
+}
+
+template <class Choice>
+void check_choice(report& r, std::string const& name, int d, int residual) {
+  using gpu_cache = kvq::QuantizedKVCache<Choice, kvq::metal>;
+  using cpu_cache = kvq::QuantizedKVCache<Choice>;
+  r.where = name + " head_dim " + std::to_string(d) + " R " + std::to_string(residual);
+  with_metal(r, [&](MTL::Device* device, MTL::CommandQueue* queue, std::shared_ptr<kvq::metal_library> const& lib) {
     kvq::cache_shape const shape{2, 2, d, 200};
     typename gpu_cache::options go;
     go.residual = residual;
@@ -378,18 +399,116 @@ void check_choice(report& r, std::string const& name, int d, int residual) {
       f.compare_bytes("truncate into a group beyond the f16 range");
       f.compare_reads("truncate into a group beyond the f16 range");
     }
-    lib.reset();
-  } catch (std::exception const& e) {
-    r.fail(std::string("exception: ") + e.what());
-  }
-  queue->release();
-  device->release();
-#if defined(KVQ_METAL_MOCK)
-  r.expect(kvq_mock::live_objects() == live_before,
-           "metal-cpp objects leaked: " + std::to_string(kvq_mock::live_objects() - live_before));
-  for (auto const& e : kvq_mock::errors()) r.fail("metal-cpp misuse: " + e);
-  kvq_mock::errors().clear();
-#endif
+  });
+}
+
+/// The Metal paged cache against the CPU paged cache: a prompt forked to children that diverge, a
+/// rollback, a release and a fork of a fork; pool bytes, page use and reads equal, batched
+/// attention within attention_tolerance, every page back at the end.
+template <class Choice>
+void check_paged_choice(report& r, std::string const& name, int d, int residual) {
+  using gpu_cache = kvq::PagedKVCache<Choice, kvq::metal>;
+  using cpu_cache = kvq::PagedKVCache<Choice>;
+  r.where = "paged " + name + " head_dim " + std::to_string(d) + " R " + std::to_string(residual);
+  with_metal(r, [&](MTL::Device*, MTL::CommandQueue* queue, std::shared_ptr<kvq::metal_library> const& lib) {
+    kvq::paged_shape const shape{2, 2, d, 32, 24, 6};
+    typename gpu_cache::options go;
+    go.residual = residual;
+    go.threads = 64;
+    {
+      gpu_cache g(lib, queue, shape, go);
+      cpu_cache c(shape, {residual});
+      int const kv = shape.kv_heads;
+      auto append = [&](kvq::sequence_id s, std::int64_t n, std::uint32_t seed) {
+        for (int l = 0; l < shape.layers; ++l) {
+          auto const k = data(n * kv, d, seed + 31u * static_cast<std::uint32_t>(l));
+          auto const v = data(n * kv, d, seed + 7u + 31u * static_cast<std::uint32_t>(l));
+          c.append(s, l, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+          g.append(s, l, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+        }
+      };
+      auto compare = [&](std::vector<kvq::sequence_id> const& live, std::string const& step) {
+        r.expect(c.pages().used_pages == g.pages().used_pages && c.pages().shared_pages == g.pages().shared_pages,
+                 step + ": page use differs");
+        r.expect(std::memcmp(c.key_storage(live.front(), 0, 0).pool, g.pool_buffer()->contents(),
+                             c.memory().total_bytes) == 0,
+                 step + ": pool bytes differ");
+        for (auto id : live)
+          for (int l = 0; l < shape.layers; ++l)
+            for (int h = 0; h < kv; ++h) {
+              std::int64_t const n = c.size(id, l);
+              std::vector<float> want(static_cast<std::size_t>(n * d)), got(want.size());
+              c.read_values(id, l, h, 0, n, want.data());
+              g.read_values(id, l, h, 0, n, got.data());
+              r.expect(std::memcmp(want.data(), got.data(), want.size() * 4) == 0, step + ": value reads differ");
+              c.read_keys(id, l, h, 0, n, want.data());
+              g.read_keys(id, l, h, 0, n, got.data());
+              r.expect(std::memcmp(want.data(), got.data(), want.size() * 4) == 0, step + ": key reads differ");
+            }
+        int const q_heads = 2 * kv;
+        auto const q = data(static_cast<std::int64_t>(live.size()) * q_heads, d, 99);
+        for (std::int64_t window : {0, 29}) {
+          kvq::attention_options opt;
+          opt.window = window;
+          for (int l = 0; l < shape.layers; ++l) {
+            std::vector<float> want(q.size()), got(q.size(), -1.0f);
+            kvq::paged_decode_attention(c, l, std::span<kvq::sequence_id const>(live), q.data(), q_heads, want.data(),
+                                        opt);
+            g.attention(l, std::span<kvq::sequence_id const>(live), q.data(), q_heads, got.data(), opt);
+            r.expect(
+                rel_error(want.data(), got.data(), q_heads * static_cast<int>(live.size()), d) <= attention_tolerance,
+                step + ": attention differs (window " + std::to_string(window) + ")");
+          }
+        }
+      };
+      auto const root = c.add_sequence();
+      r.expect(g.add_sequence() == root, "sequence ids differ");
+      append(root, 70, 1);
+      std::vector<kvq::sequence_id> live{root};
+      for (int i = 0; i < 3; ++i) {
+        auto const a = c.fork(root);
+        r.expect(g.fork(root) == a, "fork ids differ");
+        live.push_back(a);
+      }
+      compare(live, "forked");
+      for (std::size_t i = 1; i < live.size(); ++i)
+        append(live[i], 5 + 29 * static_cast<std::int64_t>(i - 1), 100u * static_cast<std::uint32_t>(i));
+      c.truncate(live[2], 72);
+      g.truncate(live[2], 72);
+      c.release(live[1]);
+      g.release(live[1]);
+      live.erase(live.begin() + 1);
+      auto const b = c.fork(live[1]);
+      r.expect(g.fork(live[1]) == b, "fork ids differ");
+      live.push_back(b);
+      append(b, 3, 600);
+      compare(live, "diverged");
+      for (auto id : live) {
+        c.release(id);
+        g.release(id);
+      }
+      r.expect(g.pages().free_pages == shape.pages, "pages leaked");
+      // Misuse: typed errors, nothing changed.
+      auto const a = g.add_sequence();
+      std::int64_t const too_many = 32 * (shape.pages + 1);
+      auto const k = data(too_many * kv, d, 5);
+      bool raised = false;
+      try {
+        g.append(a, 0, kvq::token_major(k.data(), too_many, kv, d), kvq::token_major(k.data(), too_many, kv, d));
+      } catch (kvq::capacity_error const&) {
+        raised = true;
+      }
+      r.expect(raised && g.size(a) == 0 && g.pages().used_pages == 0, "out of pages: not a clean capacity_error");
+      raised = false;
+      try {
+        float x = 0;
+        g.read_keys(a + 1, 0, 0, 0, 1, &x);
+      } catch (kvq::index_error const&) {
+        raised = true;
+      }
+      r.expect(raised, "an unknown sequence: no index_error");
+    }
+  });
 }
 
 }  // namespace
@@ -407,6 +526,10 @@ auto run_metal_cache_checks(int head_dim) -> std::vector<std::string> {
   check_choice<kvq::kivi<2>>(r, "kivi2", head_dim, 0);
   check_choice<kvq::kv_codecs<kvq::kivi_key<8>, kvq::kivi_value<2>>>(r, "kivi8/kivi2", head_dim, 64);
   check_choice<kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<4>>>(r, "q8_0/kivi4", head_dim, 32);
+  check_paged_choice<kvq::q4_0>(r, "q4_0", head_dim, 0);
+  check_paged_choice<kvq::nvfp4>(r, "nvfp4", head_dim, 0);
+  check_paged_choice<kvq::kivi<4>>(r, "kivi4", head_dim, 32);
+  check_paged_choice<kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>>(r, "q8_0/kivi2", head_dim, 0);
   pool->release();
   return r.failures;
 }

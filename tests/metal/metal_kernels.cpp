@@ -19,7 +19,7 @@
 namespace kvq_metal_shim {
 namespace {
 
-auto xy(size3 p) -> uint2 { return uint2{p.x, p.y}; }
+auto xyz(size3 p) -> uint3 { return uint3{p.x, p.y, p.z}; }
 
 template <class T>
 auto arg(buffer_table const& b, int i) -> T {
@@ -73,10 +73,10 @@ void dispatch_threadgroups(std::string const& name, std::array<int, 2> constants
   set_constants(constants);
   if (name != "kvq_attention_partial") throw std::invalid_argument("metal shim: no threadgroup kernel named " + name);
   detail::run_threadgroups(groups, threads, threadgroup_bytes, simd_width, [&](thread_ids const& t) {
-    kvq_attention_partial(*arg<kvq_attention_args const*>(b, 0), *arg<kvq_attention_seq const*>(b, 1),
+    kvq_attention_partial(*arg<kvq_attention_args const*>(b, 0), arg<kvq_attention_seq const*>(b, 1),
                           arg<uchar const*>(b, 2), arg<float const*>(b, 3), arg<float*>(b, 4), arg<float*>(b, 5),
-                          arg<float*>(b, 6), static_cast<float*>(t.threadgroup_memory),
-                          xy(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
+                          arg<float*>(b, 6), arg<int const*>(b, 7), static_cast<float*>(t.threadgroup_memory),
+                          xyz(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
                           t.threads_per_threadgroup.x);
   });
 }

@@ -2,6 +2,9 @@
 //
 //   kvq-eval                                   built-in synthetic workload (seeded)
 //   kvq-eval --model M --tokenizer T --text F  a llama2.c-format model scored on a text
+//   kvq-eval --model M ... --paged [--page-tokens N]
+//                                              the same, plus continuous batching of every story
+//                                              through one paged cache per configuration
 //   options: --json FILE, --svg FILE, --configs L1,L2,..., --context N, --layers N, --list
 //
 // Results on stdout as an aligned table; progress on stderr. Exit status 0 on success, 1 on a
@@ -21,6 +24,7 @@
 
 #include "configs.hpp"
 #include "model_eval.hpp"
+#include "paged_eval.hpp"
 #include "report.hpp"
 #include "synthetic.hpp"
 
@@ -204,9 +208,12 @@ auto run_synthetic(synthetic_shape const& s, std::vector<config> const& configs,
 }
 
 /// Evaluates every configuration on a real model: the KV metrics on the model's own K/V (the f32
-/// cache after its longest story), then perplexity, KL and top-1 against the f32 cache.
+/// cache after its longest story), then perplexity, KL and top-1 against the f32 cache; with
+/// `paged`, also the continuous-batching run of every configuration through one paged cache
+/// (every configuration must have a paged_table entry).
 auto run_model(std::string const& model_path, std::string const& tokenizer_path, std::string const& text_path,
-               std::vector<config> const& configs, bool progress, std::int64_t& context) -> std::vector<result> {
+               std::vector<config> const& configs, bool progress, std::optional<paged_settings> const& paged,
+               std::int64_t& context) -> std::vector<result> {
   model_inputs const in = load_model_inputs(model_path, tokenizer_path, text_path);
   auto const& cfg = in.model.config();
   if (progress) std::fprintf(stderr, "kvq-eval: reference run (f32 cache) over %s\n", text_path.c_str());
@@ -223,11 +230,23 @@ auto run_model(std::string const& model_path, std::string const& tokenizer_path,
   for (std::size_t i = 0; i < rows.size(); ++i) {
     if (progress)
       std::fprintf(stderr, "kvq-eval: [%zu/%zu] %s: perplexity\n", i + 1, rows.size(), rows[i].label.c_str());
+    auto const t0 = clock_type::now();
     auto const q = score_config(in, ref, configs[i]);
+    double const flat_seconds = seconds_since(t0);
     rows[i].ppl = q.ppl;
     rows[i].ppl_ref = ref.ppl;
     rows[i].kld = q.kld;
     rows[i].top1_agreement = q.top1;
+    if (!paged) continue;
+    if (progress)
+      std::fprintf(stderr, "kvq-eval: [%zu/%zu] %s: paged continuous batching\n", i + 1, rows.size(),
+                   rows[i].label.c_str());
+    rows[i].paged = find_paged(configs[i])->run(in, configs[i], *paged);
+    rows[i].paged->flat_seconds = flat_seconds;
+    // The paged cache holds the flat cache's bytes: only the order of float sums may differ.
+    if (paged_rel_diff(rows[i]) > 1e-5)
+      std::fprintf(stderr, "kvq-eval: warning: %s: paged perplexity %.9g differs from the flat %.9g by %.2e\n",
+                   rows[i].label.c_str(), rows[i].paged->ppl, q.ppl, paged_rel_diff(rows[i]));
   }
   return rows;
 }
@@ -239,7 +258,11 @@ void usage(std::FILE* out) {
       "  --model FILE          llama2.c-format model (.bin); needs --tokenizer and --text\n"
       "  --tokenizer FILE      llama2.c tokenizer (.bin)\n"
       "  --text FILE           text scored for perplexity (stories separated by <|endoftext|> lines)\n"
-      "  --json FILE           write the results as JSON (schema_version 1)\n"
+      "  --paged               with --model: also run every story as a sequence of one paged cache per\n"
+      "                        configuration (continuous batching, batched paged attention; shared\n"
+      "                        prefixes forked) and compare its perplexity with the flat cache's\n"
+      "  --page-tokens N       tokens per page of --paged (default 32; a multiple of 32 for KIVI)\n"
+      "  --json FILE           write the results as JSON (schema_version 1; 2 with --paged)\n"
       "  --svg FILE            draw error (or perplexity) against bits per element\n"
       "  --configs A,B,...     evaluate only these configuration labels (see --list)\n"
       "  --context N           synthetic context length in tokens (default 4096)\n"
@@ -281,7 +304,8 @@ void write_file(std::optional<std::ofstream>& f, std::string const& path, std::s
 int run(int argc, char** argv) {
   std::optional<std::string> model, tokenizer, text, json, svg, only;
   synthetic_shape shape;
-  bool progress = true, list = false;
+  bool progress = true, list = false, paged = false;
+  std::optional<int> page_tokens;
   for (int i = 1; i < argc; ++i) {
     std::string const a = argv[i];
     auto value = [&]() -> std::string {
@@ -304,6 +328,10 @@ int run(int argc, char** argv) {
       shape.context = parse_int(a, value(), 64, 1 << 20);
     else if (a == "--layers")
       shape.layers = static_cast<int>(parse_int(a, value(), 1, 64));
+    else if (a == "--paged")
+      paged = true;
+    else if (a == "--page-tokens")
+      page_tokens = static_cast<int>(parse_int(a, value(), 1, 1 << 16));
     else if (a == "--list")
       list = true;
     else if (a == "--quiet")
@@ -328,17 +356,35 @@ int run(int argc, char** argv) {
   }
   bool const with_model = model || tokenizer || text;
   if (with_model && !(model && tokenizer && text)) throw usage_error("--model, --tokenizer and --text go together");
+  std::optional<paged_settings> paged_run;
+  if (page_tokens && !paged) throw usage_error("--page-tokens goes with --paged");
+  if (paged) {
+    if (!with_model) throw usage_error("--paged needs --model, --tokenizer and --text");
+    paged_run = paged_settings{};
+    if (page_tokens) paged_run->page_tokens = *page_tokens;
+    // Without --configs, every configuration --paged supports; with it, each must be supported.
+    if (!only) std::erase_if(configs, [](config const& c) { return find_paged(c) == nullptr; });
+    for (auto const& c : configs) {
+      if (!find_paged(c))
+        throw usage_error("--paged does not support configuration '" + c.label + "' (key " + c.k_codec + ", value " +
+                          c.v_codec + "); it supports one codec for K and V among: " + paged_codec_names());
+      if (c.group && paged_run->page_tokens % *c.group != 0)
+        throw usage_error("--page-tokens " + std::to_string(paged_run->page_tokens) + " is not a multiple of " +
+                          c.label + "'s KIVI group G = " + std::to_string(*c.group));
+    }
+  }
 
   auto json_out = open_output(json);
   auto svg_out = open_output(svg);
   std::vector<result> rows;
   std::int64_t context = shape.context;
   if (with_model) {
-    rows = run_model(*model, *tokenizer, *text, configs, progress, context);
+    rows = run_model(*model, *tokenizer, *text, configs, progress, paged_run, context);
   } else {
     rows = run_synthetic(shape, configs, progress);
   }
   print_table(rows, with_model, stdout);
+  print_paged_table(rows, stdout);
   if (json) write_file(json_out, *json, to_json(rows, with_model, context).dump(2) + "\n");
   if (svg) write_file(svg_out, *svg, to_svg(rows, with_model));
   return 0;

@@ -1,5 +1,8 @@
-// kvq-eval: result rows and their output as an aligned table, JSON (schema_version 1) and SVG.
+// kvq-eval: result rows and their output as aligned tables, JSON (schema_version 1, or 2 with --paged)
+// and SVG.
 #pragma once
+
+#include <kvq/cache.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -15,6 +18,27 @@
 #include <nlohmann/json.hpp>
 
 namespace kvq_eval {
+
+/// One configuration run by --paged: continuous batching through one paged cache (paged_eval.hpp).
+struct paged_stats {
+  int page_tokens = 0;                 ///< tokens per page
+  std::int64_t pages = 0;              ///< pages in the pool
+  int max_sequences = 0;               ///< live sequences the pool allows
+  std::size_t page_bytes = 0;          ///< bytes of one page (every layer, K and V)
+  kvq::memory_report memory{};         ///< the pool's memory report (the whole allocation)
+  std::int64_t peak_used_pages = 0;    ///< most pages held at once
+  std::int64_t peak_shared_pages = 0;  ///< most pages held by two sequences or more at once
+  std::int64_t peak_saved_pages = 0;   ///< most pages sharing saved at once (page-table entries - pages held)
+  std::int64_t peak_sequences = 0;     ///< most live sequences at once (the batch of a step)
+  std::int64_t final_used_pages = 0;   ///< pages held after every sequence was released (0)
+  std::int64_t forks = 0;              ///< sequences started by forking one that holds a shared prefix
+  std::int64_t steps = 0;              ///< batched decode steps
+  std::int64_t tokens = 0;             ///< tokens scored
+  int stories = 0;                     ///< stories of the text
+  double ppl = 0;                      ///< perplexity through the paged cache
+  double seconds = 0;                  ///< wall time of the paged run
+  double flat_seconds = 0;             ///< wall time of the flat run of the same configuration (KL included)
+};
 
 /// One evaluated configuration.
 struct result {
@@ -35,7 +59,14 @@ struct result {
   std::int64_t nonfinite_blocks = 0;  // stored blocks with a NaN/Inf scale after encoding the workload
   // Model workload only.
   std::optional<double> ppl, ppl_ref, kld, top1_agreement;
+  std::optional<paged_stats> paged;  // --paged only
 };
+
+/// |paged - flat| / flat of a configuration's perplexities (0 without a paged run).
+inline auto paged_rel_diff(result const& r) -> double {
+  if (!r.paged || !r.ppl) return 0.0;
+  return std::abs(r.paged->ppl - *r.ppl) / *r.ppl;
+}
 
 /// Formats a double with `digits` decimals; infinity as "inf".
 inline auto fixed(double v, int digits) -> std::string {
@@ -51,6 +82,28 @@ inline auto sci(double v) -> std::string {
   std::ostringstream s;
   s << std::scientific << std::setprecision(2) << v;
   return s.str();
+}
+
+/// Prints `head` and `cells` as columns padded to their widest entry, two spaces apart, the first
+/// `left` columns left-aligned and the others right-aligned, with a rule under the head.
+inline void print_aligned(std::vector<std::string> const& head, std::vector<std::vector<std::string>> const& cells,
+                          std::size_t left, std::FILE* out) {
+  std::vector<std::size_t> w(head.size());
+  for (std::size_t i = 0; i < head.size(); ++i) {
+    w[i] = head[i].size();
+    for (auto const& c : cells) w[i] = std::max(w[i], c[i].size());
+  }
+  auto line = [&](std::vector<std::string> const& c) {
+    for (std::size_t i = 0; i < c.size(); ++i) {
+      std::fprintf(out, i < left ? "%-*s" : "%*s", static_cast<int>(w[i]), c[i].c_str());
+      std::fputs(i + 1 < c.size() ? "  " : "\n", out);
+    }
+  };
+  line(head);
+  std::size_t total = 0;
+  for (auto x : w) total += x + 2;
+  std::fprintf(out, "%s\n", std::string(total - 2, '-').c_str());
+  for (auto const& c : cells) line(c);
 }
 
 /// Prints the results as an aligned table.
@@ -83,31 +136,65 @@ inline void print_table(std::vector<result> const& rows, bool model, std::FILE* 
     }
     cells.push_back(std::move(c));
   }
-  std::vector<std::size_t> w(head.size());
-  for (std::size_t i = 0; i < head.size(); ++i) {
-    w[i] = head[i].size();
-    for (auto const& c : cells) w[i] = std::max(w[i], c[i].size());
-  }
-  auto line = [&](std::vector<std::string> const& c) {
-    for (std::size_t i = 0; i < c.size(); ++i) {
-      if (i < 3)
-        std::fprintf(out, "%-*s", static_cast<int>(w[i]), c[i].c_str());
-      else
-        std::fprintf(out, "%*s", static_cast<int>(w[i]), c[i].c_str());
-      std::fputs(i + 1 < c.size() ? "  " : "\n", out);
-    }
-  };
-  line(head);
-  std::size_t total = 0;
-  for (auto x : w) total += x + 2;
-  std::fprintf(out, "%s\n", std::string(total - 2, '-').c_str());
-  for (auto const& c : cells) line(c);
+  print_aligned(head, cells, 3, out);
 }
 
-/// The JSON document of schema_version 1 (see tools/kvq_eval/kvq-eval.schema.json).
+/// Prints the --paged results (rows with a paged run) as an aligned table.
+inline void print_paged_table(std::vector<result> const& rows, std::FILE* out) {
+  std::vector<std::string> const head = {"config",    "page tok",    "pool pages", "page KiB",  "pool MiB",
+                                         "peak used", "peak shared", "peak saved", "peak seqs", "forks",
+                                         "flat PPL",  "paged PPL",   "rel diff",   "flat s",    "paged s"};
+  std::vector<std::vector<std::string>> cells;
+  for (auto const& r : rows) {
+    if (!r.paged) continue;
+    auto const& p = *r.paged;
+    cells.push_back({r.label, std::to_string(p.page_tokens), std::to_string(p.pages),
+                     fixed(static_cast<double>(p.page_bytes) / 1024.0, 2),
+                     fixed(static_cast<double>(p.memory.total_bytes) / (1024.0 * 1024.0), 2),
+                     std::to_string(p.peak_used_pages), std::to_string(p.peak_shared_pages),
+                     std::to_string(p.peak_saved_pages), std::to_string(p.peak_sequences), std::to_string(p.forks),
+                     fixed(r.ppl.value_or(0), 6), fixed(p.ppl, 6), sci(paged_rel_diff(r)), fixed(p.flat_seconds, 2),
+                     fixed(p.seconds, 2)});
+  }
+  if (cells.empty()) return;
+  std::fputs("\n--paged: every story a sequence of one paged pool per configuration, continuous batching\n", out);
+  print_aligned(head, cells, 1, out);
+}
+
+/// The JSON of a --paged run (the "paged" object of schema_version 2).
+inline auto paged_json(result const& r) -> nlohmann::ordered_json {
+  auto const& p = *r.paged;
+  nlohmann::ordered_json j;
+  j["page_tokens"] = p.page_tokens;
+  j["pages"] = p.pages;
+  j["max_sequences"] = p.max_sequences;
+  j["page_bytes"] = p.page_bytes;
+  j["memory"] = {{"total_bytes", p.memory.total_bytes},         {"key_bytes", p.memory.key_bytes},
+                 {"value_bytes", p.memory.value_bytes},         {"residual_bytes", p.memory.residual_bytes},
+                 {"alignment_bytes", p.memory.alignment_bytes}, {"bits_per_element", p.memory.bits_per_element}};
+  j["peak_used_pages"] = p.peak_used_pages;
+  j["peak_shared_pages"] = p.peak_shared_pages;
+  j["peak_saved_pages"] = p.peak_saved_pages;
+  j["peak_sequences"] = p.peak_sequences;
+  j["final_used_pages"] = p.final_used_pages;
+  j["forks"] = p.forks;
+  j["steps"] = p.steps;
+  j["tokens"] = p.tokens;
+  j["stories"] = p.stories;
+  j["ppl"] = p.ppl;
+  j["ppl_flat"] = r.ppl.value_or(0);
+  j["ppl_rel_diff"] = paged_rel_diff(r);
+  j["seconds"] = p.seconds;
+  j["flat_seconds"] = p.flat_seconds;
+  return j;
+}
+
+/// The JSON document (see tools/kvq_eval/kvq-eval.schema.json): schema_version 1, or 2 when a row
+/// carries a --paged run (version 1 plus the "paged" object of each result).
 inline auto to_json(std::vector<result> const& rows, bool model, std::int64_t context) -> nlohmann::ordered_json {
   nlohmann::ordered_json doc;
-  doc["schema_version"] = 1;
+  bool const paged = std::any_of(rows.begin(), rows.end(), [](result const& r) { return r.paged.has_value(); });
+  doc["schema_version"] = paged ? 2 : 1;
   doc["workload"] = model ? "model" : "synthetic";
   doc["context"] = context;
   doc["results"] = nlohmann::ordered_json::array();
@@ -133,6 +220,7 @@ inline auto to_json(std::vector<result> const& rows, bool model, std::int64_t co
       j["kld"] = r.kld.value_or(0);
       j["top1_agreement"] = r.top1_agreement.value_or(0);
     }
+    if (r.paged) j["paged"] = paged_json(r);
     doc["results"].push_back(std::move(j));
   }
   return doc;

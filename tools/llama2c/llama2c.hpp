@@ -2,7 +2,9 @@
 // kvq cache. It is the example of integrating kvq into an engine and the real-model harness of the
 // tests and of kvq-eval (perplexity, KL divergence and top-1 agreement of every codec).
 //
-// Depends on kvq and the standard library only. Single-threaded, batch 1, one sequence.
+// Depends on kvq and the standard library only. Single-threaded, batch 1, one sequence per engine;
+// forward_pass is the engine's arithmetic without a cache, for engines that keep their own (kvq-eval
+// --paged runs many sequences through one paged cache with it).
 //
 //   auto m = kvq::llama2c::load_model("stories260K.bin");
 //   auto t = kvq::llama2c::load_tokenizer("tok512.bin", m.config().vocab_size);
@@ -599,27 +601,23 @@ inline auto read_text_file(std::string const& path) -> std::string {
   return s;
 }
 
-/// One-token-at-a-time forward pass of a llama2.c model whose K/V cache is a kvq::any_cache.
+/// One token's forward pass of a llama2.c model, split at the KV cache, so that an engine with its
+/// own cache (e.g. a paged cache whose attention runs batched over sequences) runs the arithmetic of
+/// `engine` exactly.
 ///
-/// Per layer: RMSNorm (eps 1e-5) → q, k, v → RoPE on adjacent pairs (2i, 2i+1) of q and k, with
-/// freq = 10000^(−(i mod head_dim)/head_dim) → k and v appended to the kvq cache → kvq decode
-/// attention (scale 1/sqrt(head_dim), GQA) over the cache → wo → residual; RMSNorm → SwiGLU FFN
-/// (w2(silu(w1 x) · w3 x)) → residual. Then final RMSNorm and the classifier.
+/// Per token: begin(token, pos); then per layer l in order: qkv(l) (RMSNorm (eps 1e-5) → q, k, v →
+/// RoPE on adjacent pairs (2i, 2i+1) of q and k, with freq = 10000^(−(i mod head_dim)/head_dim)),
+/// the caller stores k() and v() in its cache and writes the attention of q() over layer l (scale
+/// 1/sqrt(head_dim), GQA) into att(), then finish_layer(l) (wo → residual; RMSNorm → SwiGLU FFN
+/// (w2(silu(w1 x) · w3 x)) → residual); last, logits() (final RMSNorm and the classifier).
 ///
-/// The model must outlive the engine. Not thread-safe (one sequence).
-class engine {
+/// The model must outlive the pass. Not thread-safe; one pass per sequence in flight.
+class forward_pass {
  public:
-  /// An engine whose cache uses the named key/value codecs (see kvq::supported_codec_pairs()),
-  /// capacity seq_len, with `cache_options` (e.g. the KIVI residual R) and `attention` options
-  /// (scale 0 = 1/sqrt(head_dim)). Raises kvq::unsupported_error for an unknown pair.
-  engine(model const& m, std::string_view key_codec, std::string_view value_codec,
-         any_cache_options const& cache_options = {}, attention_options const& attention = {})
-      : model_(&m), attention_(attention) {
+  /// Buffers for `m`; raises invalid_argument_error when the model is empty (not loaded).
+  explicit forward_pass(model const& m) : model_(&m) {
     config const& c = m.config();
-    ::kvq::detail::check<invalid_argument_error>(c.dim > 0, "llama2c::engine: the model is empty (not loaded)");
-    cache_ = make_any_cache(cache_shape{c.n_layers, c.n_kv_heads, c.head_dim(), c.seq_len}, key_codec, value_codec,
-                            cache_options);
-    if (attention_.scale == 0.0f) attention_.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim()));
+    ::kvq::detail::check<invalid_argument_error>(c.dim > 0, "llama2c::forward_pass: the model is empty (not loaded)");
     auto const d = static_cast<std::size_t>(c.dim);
     x_.resize(d);
     xb_.resize(d);
@@ -635,73 +633,79 @@ class engine {
     sin_.resize(cos_.size());
   }
 
-  /// The engine keeps a pointer to the model: a temporary model would dangle.
-  engine(model&&, std::string_view, std::string_view, any_cache_options const& = {}, attention_options const& = {}) =
-      delete;
+  /// The pass keeps a pointer to the model: a temporary model would dangle.
+  explicit forward_pass(model&&) = delete;
 
-  /// Runs `token` at position `pos` and returns the logits (vocab_size; valid until the next
-  /// call). `pos` must equal the number of tokens already in the cache (0 after reset()) and be
-  /// below seq_len; otherwise index_error, and nothing changes.
-  auto forward(int token, int pos) -> std::vector<float> const& {
+  /// Starts `token` at position `pos`: its embedding and the RoPE angles. Raises index_error for a
+  /// token outside the vocabulary or a position outside [0, seq_len).
+  void begin(int token, int pos) {
     config const& c = model_->config();
     ::kvq::detail::check<index_error>(token >= 0 && token < c.vocab_size,
-                                      "llama2c::engine::forward: token " + std::to_string(token) +
+                                      "llama2c::forward_pass::begin: token " + std::to_string(token) +
                                           " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
     ::kvq::detail::check<index_error>(pos >= 0 && pos < c.seq_len,
-                                      "llama2c::engine::forward: position " + std::to_string(pos) +
+                                      "llama2c::forward_pass::begin: position " + std::to_string(pos) +
                                           " is outside [0, seq_len = " + std::to_string(c.seq_len) + ")");
-    for (int l = 0; l < c.n_layers; ++l)
-      ::kvq::detail::check<index_error>(cache_->size(l) == pos,
-                                        "llama2c::engine::forward: position " + std::to_string(pos) +
-                                            " but the cache holds " + std::to_string(cache_->size(l)) +
-                                            " tokens in layer " + std::to_string(l) +
-                                            " (positions run 0, 1, 2, ...; reset() starts over)");
-    int const dim = c.dim, hd = c.head_dim(), kv_dim = c.kv_dim(), hidden = c.hidden_dim;
-    model const& m = *model_;
-
-    std::copy_n(m.token_embedding() + static_cast<std::size_t>(token) * static_cast<std::size_t>(dim), dim, x_.begin());
+    int const dim = c.dim, hd = c.head_dim();
+    std::copy_n(model_->token_embedding() + static_cast<std::size_t>(token) * static_cast<std::size_t>(dim), dim,
+                x_.begin());
     for (int i = 0; i < hd / 2; ++i) {
       float const freq = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / static_cast<float>(hd));
       float const angle = static_cast<float>(pos) * freq;
       cos_[static_cast<std::size_t>(i)] = std::cos(angle);
       sin_[static_cast<std::size_t>(i)] = std::sin(angle);
     }
-    for (int l = 0; l < c.n_layers; ++l) {
-      detail::rmsnorm(xb_.data(), x_.data(), m.rms_att(l), dim);
-      detail::matmul(q_.data(), xb_.data(), m.wq(l), dim, dim);
-      detail::matmul(k_.data(), xb_.data(), m.wk(l), dim, kv_dim);
-      detail::matmul(v_.data(), xb_.data(), m.wv(l), dim, kv_dim);
-      rope(q_.data(), dim, hd);
-      rope(k_.data(), kv_dim, hd);
-      cache_->append(l, token_major(k_.data(), 1, c.n_kv_heads, hd), token_major(v_.data(), 1, c.n_kv_heads, hd));
-      cache_->attention(l, q_.data(), c.n_heads, att_.data(), attention_);
-      detail::matmul(xb2_.data(), att_.data(), m.wo(l), dim, dim);
-      for (int i = 0; i < dim; ++i) x_[static_cast<std::size_t>(i)] += xb2_[static_cast<std::size_t>(i)];
+  }
 
-      detail::rmsnorm(xb_.data(), x_.data(), m.rms_ffn(l), dim);
-      detail::matmul(hb_.data(), xb_.data(), m.w1(l), dim, hidden);
-      detail::matmul(hb2_.data(), xb_.data(), m.w3(l), dim, hidden);
-      for (int i = 0; i < hidden; ++i) {
-        float const g = hb_[static_cast<std::size_t>(i)];
-        hb_[static_cast<std::size_t>(i)] = g / (1.0f + std::exp(-g)) * hb2_[static_cast<std::size_t>(i)];
-      }
-      detail::matmul(xb_.data(), hb_.data(), m.w2(l), hidden, dim);
-      for (int i = 0; i < dim; ++i) x_[static_cast<std::size_t>(i)] += xb_[static_cast<std::size_t>(i)];
+  /// Layer `layer` up to the cache: q(), k() and v() of the current token, RoPE applied.
+  void qkv(int layer) {
+    config const& c = model_->config();
+    model const& m = *model_;
+    detail::rmsnorm(xb_.data(), x_.data(), m.rms_att(layer), c.dim);
+    detail::matmul(q_.data(), xb_.data(), m.wq(layer), c.dim, c.dim);
+    detail::matmul(k_.data(), xb_.data(), m.wk(layer), c.dim, c.kv_dim());
+    detail::matmul(v_.data(), xb_.data(), m.wv(layer), c.dim, c.kv_dim());
+    rope(q_.data(), c.dim, c.head_dim());
+    rope(k_.data(), c.kv_dim(), c.head_dim());
+  }
+
+  /// The query of the current layer: (n_heads, head_dim).
+  auto q() const noexcept -> std::span<float const> { return q_; }
+  /// The key of the current layer: (n_kv_heads, head_dim).
+  auto k() const noexcept -> std::span<float const> { return k_; }
+  /// The value of the current layer: (n_kv_heads, head_dim).
+  auto v() const noexcept -> std::span<float const> { return v_; }
+  /// Where the caller writes the attention output of the current layer: (n_heads, head_dim).
+  auto att() noexcept -> std::span<float> { return att_; }
+
+  /// Layer `layer` after attention: wo and the residual, then the FFN and its residual.
+  void finish_layer(int layer) {
+    config const& c = model_->config();
+    model const& m = *model_;
+    int const dim = c.dim, hidden = c.hidden_dim;
+    detail::matmul(xb2_.data(), att_.data(), m.wo(layer), dim, dim);
+    for (int i = 0; i < dim; ++i) x_[static_cast<std::size_t>(i)] += xb2_[static_cast<std::size_t>(i)];
+
+    detail::rmsnorm(xb_.data(), x_.data(), m.rms_ffn(layer), dim);
+    detail::matmul(hb_.data(), xb_.data(), m.w1(layer), dim, hidden);
+    detail::matmul(hb2_.data(), xb_.data(), m.w3(layer), dim, hidden);
+    for (int i = 0; i < hidden; ++i) {
+      float const g = hb_[static_cast<std::size_t>(i)];
+      hb_[static_cast<std::size_t>(i)] = g / (1.0f + std::exp(-g)) * hb2_[static_cast<std::size_t>(i)];
     }
-    detail::rmsnorm(x_.data(), x_.data(), m.rms_final(), dim);
-    detail::matmul(logits_.data(), x_.data(), m.wcls(), dim, c.vocab_size);
+    detail::matmul(xb_.data(), hb_.data(), m.w2(layer), hidden, dim);
+    for (int i = 0; i < dim; ++i) x_[static_cast<std::size_t>(i)] += xb_[static_cast<std::size_t>(i)];
+  }
+
+  /// Ends the token after its last layer: the logits (vocab_size; valid until the next call).
+  auto logits() -> std::vector<float> const& {
+    config const& c = model_->config();
+    detail::rmsnorm(x_.data(), x_.data(), model_->rms_final(), c.dim);
+    detail::matmul(logits_.data(), x_.data(), model_->wcls(), c.dim, c.vocab_size);
     return logits_;
   }
 
-  /// Empties the cache (the next forward is at position 0).
-  void reset() { cache_->reset(); }
-  /// Tokens in the cache (the next position).
-  auto position() const -> int { return static_cast<int>(cache_->size(0)); }
-
-  auto cache() noexcept -> any_cache& { return *cache_; }
-  auto cache() const noexcept -> any_cache const& { return *cache_; }
   auto get_model() const noexcept -> model const& { return *model_; }
-  auto attention() const noexcept -> attention_options const& { return attention_; }
 
  private:
   /// Rotates adjacent pairs of each head of v (n values, heads of hd) by the current angles.
@@ -716,9 +720,81 @@ class engine {
   }
 
   model const* model_;
-  attention_options attention_;
-  std::unique_ptr<any_cache> cache_;
   std::vector<float> x_, xb_, xb2_, q_, k_, v_, att_, hb_, hb2_, logits_, cos_, sin_;
+};
+
+/// One-token-at-a-time forward pass of a llama2.c model whose K/V cache is a kvq::any_cache: a
+/// forward_pass whose layers store k and v in the cache and attend over it.
+///
+/// The model must outlive the engine. Not thread-safe (one sequence).
+class engine {
+ public:
+  /// An engine whose cache uses the named key/value codecs (see kvq::supported_codec_pairs()),
+  /// capacity seq_len, with `cache_options` (e.g. the KIVI residual R) and `attention` options
+  /// (scale 0 = 1/sqrt(head_dim)). Raises kvq::unsupported_error for an unknown pair.
+  engine(model const& m, std::string_view key_codec, std::string_view value_codec,
+         any_cache_options const& cache_options = {}, attention_options const& attention = {})
+      : model_(&m), attention_(attention), pass_(checked(m)) {
+    config const& c = m.config();
+    cache_ = make_any_cache(cache_shape{c.n_layers, c.n_kv_heads, c.head_dim(), c.seq_len}, key_codec, value_codec,
+                            cache_options);
+    if (attention_.scale == 0.0f) attention_.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim()));
+  }
+
+  /// The engine keeps a pointer to the model: a temporary model would dangle.
+  engine(model&&, std::string_view, std::string_view, any_cache_options const& = {},
+         attention_options const& = {}) = delete;
+
+  /// Runs `token` at position `pos` and returns the logits (vocab_size; valid until the next
+  /// call). `pos` must equal the number of tokens already in the cache (0 after reset()) and be
+  /// below seq_len; otherwise index_error, and nothing changes.
+  auto forward(int token, int pos) -> std::vector<float> const& {
+    config const& c = model_->config();
+    ::kvq::detail::check<index_error>(token >= 0 && token < c.vocab_size,
+                                      "llama2c::engine::forward: token " + std::to_string(token) +
+                                          " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
+    ::kvq::detail::check<index_error>(pos >= 0 && pos < c.seq_len,
+                                      "llama2c::engine::forward: position " + std::to_string(pos) +
+                                          " is outside [0, seq_len = " + std::to_string(c.seq_len) + ")");
+    for (int l = 0; l < c.n_layers; ++l)
+      ::kvq::detail::check<index_error>(
+          cache_->size(l) == pos, "llama2c::engine::forward: position " + std::to_string(pos) +
+                                      " but the cache holds " + std::to_string(cache_->size(l)) + " tokens in layer " +
+                                      std::to_string(l) + " (positions run 0, 1, 2, ...; reset() starts over)");
+    int const hd = c.head_dim();
+    pass_.begin(token, pos);
+    for (int l = 0; l < c.n_layers; ++l) {
+      pass_.qkv(l);
+      cache_->append(l, token_major(pass_.k().data(), 1, c.n_kv_heads, hd),
+                     token_major(pass_.v().data(), 1, c.n_kv_heads, hd));
+      cache_->attention(l, pass_.q().data(), c.n_heads, pass_.att().data(), attention_);
+      pass_.finish_layer(l);
+    }
+    return pass_.logits();
+  }
+
+  /// Empties the cache (the next forward is at position 0).
+  void reset() { cache_->reset(); }
+  /// Tokens in the cache (the next position).
+  auto position() const -> int { return static_cast<int>(cache_->size(0)); }
+
+  auto cache() noexcept -> any_cache& { return *cache_; }
+  auto cache() const noexcept -> any_cache const& { return *cache_; }
+  auto get_model() const noexcept -> model const& { return *model_; }
+  auto attention() const noexcept -> attention_options const& { return attention_; }
+
+ private:
+  /// `m`, or invalid_argument_error when it is empty (before anything divides by its head count).
+  static auto checked(model const& m) -> model const& {
+    ::kvq::detail::check<invalid_argument_error>(m.config().dim > 0,
+                                                 "llama2c::engine: the model is empty (not loaded)");
+    return m;
+  }
+
+  model const* model_;
+  attention_options attention_;
+  forward_pass pass_;
+  std::unique_ptr<any_cache> cache_;
 };
 
 /// Index of the largest logit (the first on ties), as run.c's argmax.
@@ -807,16 +883,14 @@ struct scored_position {
 /// progress); may be empty.
 using position_observer = std::function<void(scored_position const&)>;
 
-namespace detail {
-
-/// Tokenizes the stories and checks the tokenizer matches the model.
-inline auto story_tokens(engine const& e, tokenizer const& tok, std::string_view text)
-    -> std::vector<std::vector<int>> {
-  config const& c = e.get_model().config();
-  ::kvq::detail::check<invalid_argument_error>(tok.vocab_size() == c.vocab_size,
-                                               "llama2c: the tokenizer has " + std::to_string(tok.vocab_size()) +
-                                                   " tokens but the model's vocabulary has " +
-                                                   std::to_string(c.vocab_size));
+/// The token ids of the stories of `text` as perplexity() scores them: split_stories, each encoded
+/// with BOS (and the dummy prefix) and cut to its first seq_len tokens. Raises
+/// invalid_argument_error when the tokenizer does not match the model.
+inline auto story_tokens(model const& m, tokenizer const& tok, std::string_view text) -> std::vector<std::vector<int>> {
+  config const& c = m.config();
+  ::kvq::detail::check<invalid_argument_error>(
+      tok.vocab_size() == c.vocab_size, "llama2c: the tokenizer has " + std::to_string(tok.vocab_size()) +
+                                            " tokens but the model's vocabulary has " + std::to_string(c.vocab_size));
   std::vector<std::vector<int>> out;
   for (auto story : split_stories(text)) {
     auto ids = tok.encode(story, true);
@@ -826,8 +900,6 @@ inline auto story_tokens(engine const& e, tokenizer const& tok, std::string_view
   return out;
 }
 
-}  // namespace detail
-
 /// Perplexity of `text` exactly as the models README defines it: split into stories
 /// (split_stories), each encoded with BOS (and the dummy prefix), cut to its first
 /// m = min(n, seq_len) tokens; the engine is reset per story and the predictions of positions
@@ -836,7 +908,7 @@ inline auto story_tokens(engine const& e, tokenizer const& tok, std::string_view
 /// tokenizer does not match the model.
 inline auto perplexity(engine& e, tokenizer const& tok, std::string const& text, position_observer const& observe = {})
     -> perplexity_result {
-  auto const stories = detail::story_tokens(e, tok, text);
+  auto const stories = story_tokens(e.get_model(), tok, text);
   perplexity_result r;
   double sum = 0.0;
   std::vector<double> logp;
@@ -879,7 +951,7 @@ inline auto compare(engine& reference, engine& test, tokenizer const& tok, std::
       reference.get_model().config().vocab_size == test.get_model().config().vocab_size &&
           reference.get_model().config().seq_len == test.get_model().config().seq_len,
       "llama2c::compare: the two engines' models differ in vocabulary or seq_len");
-  auto const stories = detail::story_tokens(reference, tok, text);
+  auto const stories = story_tokens(reference.get_model(), tok, text);
   comparison_result r;
   double sum_ref = 0.0, sum_test = 0.0, sum_kl = 0.0;
   std::int64_t agree = 0;

@@ -17,6 +17,7 @@
 //   void deallocate(layer_type, std::size_t bytes) noexcept;
 //   auto address(layer_type) const -> std::byte*;                // for storage views
 //   auto output_at(layer_type, std::size_t offset) -> output_type;  // rows inside a layer
+//   auto offset_output(output_type, std::size_t bytes) -> output_type;  // `bytes` further on (paged reads)
 //   template <class C> auto write(write_step const&, layer_type, input_type, stream_type) -> device_status;
 //   template <class C> auto decode(kvq_decode_args const&, layer_type, output_type, stream_type) -> device_status;
 //   auto move(layer_type, std::size_t region0, std::size_t head_stride, int kv_heads, byte_move const&,
@@ -84,9 +85,30 @@ struct cache_codecs {
   using value_params = typename value_codec::params_type;
 };
 
-/// The host logic of a cache of codec choice `Choice` on `Device` (see the file comment).
+namespace detail {
+
+/// Raises what appending tensors `keys` and `values` to a cache of `kv_heads` x `head_dim` would
+/// violate in the tensors themselves (shape_error: heads, head_dim, counts, data, strides).
+inline void check_append_tensors(int kv_heads, int head_dim, kv_tensor_desc const& keys,
+                                 kv_tensor_desc const& values) {
+  cache_shape const s{1, kv_heads, head_dim, 1};
+  check_kv_tensor(s, keys.kv_heads, keys.head_dim, keys.tokens, keys.has_data, keys.token_stride, keys.head_stride,
+                  keys.element_bytes, "keys");
+  check_kv_tensor(s, values.kv_heads, values.head_dim, values.tokens, values.has_data, values.token_stride,
+                  values.head_stride, values.element_bytes, "values");
+  check<shape_error>(keys.tokens == values.tokens, [&] {
+    return "append: keys have " + std::to_string(keys.tokens) + " tokens but values have " +
+           std::to_string(values.tokens);
+  });
+}
+
+}  // namespace detail
+
+/// What the flat and the paged cores share: the codec and device types of `Choice` on `Device`
+/// (an unimplemented combination fails to compile, naming it), and the failure state of the
+/// device (after a failed device call every operation raises device_error).
 template <codec_choice Choice, class Device>
-class cache_core : public cache_codecs<Choice> {
+class core_base : public cache_codecs<Choice> {
  public:
   using codecs = cache_codecs<Choice>;
   using key_codec = typename codecs::key_codec;
@@ -102,6 +124,42 @@ class cache_core : public cache_codecs<Choice> {
   static_assert(key_codec::layout == codec_layout::row || key_codec::layout == codec_layout::token_group);
   static_assert(value_codec::layout == codec_layout::row,
                 "kvq: value codecs must be row codecs (values are quantized per token)");
+
+  /// False once a device call failed: every later operation then raises device_error.
+  auto usable() const noexcept -> bool { return failure_.empty(); }
+  /// Raises device_error if a device call failed earlier.
+  void check_usable() const {
+    detail::check<device_error>(failure_.empty(), [&] {
+      return std::string(Device::name) + ": unusable after an earlier failure: " + failure_;
+    });
+  }
+  /// Raises device_error naming the failed call (and marks the cache unusable) unless `s` is ok.
+  void succeed(device_status const& s) {
+    if (s.ok()) return;
+    failure_ = std::string(s.call) + ": " + s.text;
+    detail::raise<device_error>(std::string(Device::name) + ": " + failure_);
+  }
+
+ private:
+  std::string failure_;
+};
+
+/// The host logic of a cache of codec choice `Choice` on `Device` (see the file comment).
+template <codec_choice Choice, class Device>
+class cache_core : public core_base<Choice, Device> {
+  using base = core_base<Choice, Device>;
+
+ public:
+  using typename base::input_type;
+  using typename base::key_codec;
+  using typename base::key_params;
+  using typename base::layer_type;
+  using typename base::output_type;
+  using typename base::stream_type;
+  using typename base::value_codec;
+  using typename base::value_params;
+  using base::check_usable;
+  using base::succeed;
 
   /// Validates shape and options (check_cache_options, with the device's capacity limit), then
   /// allocates every layer, zero-filled. Raises invalid_argument_error on a bad shape or option,
@@ -138,7 +196,8 @@ class cache_core : public cache_codecs<Choice> {
   cache_core& operator=(cache_core const&) = delete;
   /// Takes the layers of `o`, which is left with no layers (every layer index out of range).
   cache_core(cache_core&& o) noexcept
-      : dev_(std::move(o.dev_)),
+      : base(std::move(o)),
+        dev_(std::move(o.dev_)),
         shape_(o.shape_),
         residual_(o.residual_),
         key_(o.key_),
@@ -147,8 +206,7 @@ class cache_core : public cache_codecs<Choice> {
         value_side_(o.value_side_),
         layer_bytes_(o.layer_bytes_),
         layers_(std::move(o.layers_)),
-        state_(std::move(o.state_)),
-        failure_(std::move(o.failure_)) {
+        state_(std::move(o.state_)) {
     o.layers_.clear();
     o.state_.clear();
     o.shape_.layers = 0;
@@ -190,34 +248,12 @@ class cache_core : public cache_codecs<Choice> {
   /// Raises index_error unless 0 <= head < kv_heads.
   void check_head(int head) const { detail::check_head_index(head, shape_.kv_heads); }
 
-  /// False once a device call failed: every later operation then raises device_error.
-  auto usable() const noexcept -> bool { return failure_.empty(); }
-  /// Raises device_error if a device call failed earlier.
-  void check_usable() const {
-    detail::check<device_error>(failure_.empty(), [&] {
-      return std::string(Device::name) + ": unusable after an earlier failure: " + failure_;
-    });
-  }
-  /// Raises device_error naming the failed call (and marks the cache unusable) unless `s` is ok.
-  void succeed(device_status const& s) {
-    if (s.ok()) return;
-    failure_ = std::string(s.call) + ": " + s.text;
-    detail::raise<device_error>(std::string(Device::name) + ": " + failure_);
-  }
-
   /// Raises what an append of tensors `keys` and `values` to `layer` would violate (index_error,
   /// shape_error, capacity_error; see QuantizedKVCache::append) for elements of `element_bytes`.
   void check_append(int layer, detail::kv_tensor_desc const& keys, detail::kv_tensor_desc const& values) const {
     check_usable();
     check_layer(layer);
-    detail::check_kv_tensor(shape_, keys.kv_heads, keys.head_dim, keys.tokens, keys.has_data, keys.token_stride,
-                            keys.head_stride, keys.element_bytes, "keys");
-    detail::check_kv_tensor(shape_, values.kv_heads, values.head_dim, values.tokens, values.has_data,
-                            values.token_stride, values.head_stride, values.element_bytes, "values");
-    detail::check<shape_error>(keys.tokens == values.tokens, [&] {
-      return "append: keys have " + std::to_string(keys.tokens) + " tokens but values have " +
-             std::to_string(values.tokens);
-    });
+    detail::check_append_tensors(shape_.kv_heads, shape_.head_dim, keys, values);
     std::int64_t const length = state_[static_cast<std::size_t>(layer)].length;
     detail::check<capacity_error>(keys.tokens <= shape_.capacity - length, [&] {
       return "append: layer " + std::to_string(layer) + " holds " + std::to_string(length) + " tokens; appending " +
@@ -288,9 +324,8 @@ class cache_core : public cache_codecs<Choice> {
         // The residual saturates finite values to ±65504.
         kvq_decode_args const a = decode_arguments(detail::key_region(key_side_, st), h, p.untile_first, p.untile_count,
                                                    kvq_elem_f16_sat, shape_.head_dim);
-        std::size_t const residual = key_side_.region.head0 +
-                                     static_cast<std::size_t>(h) * key_side_.region.head_stride +
-                                     key_side_.region.residual_offset;
+        std::size_t const residual =
+            key_side_.region.residual0 + static_cast<std::size_t>(h) * key_side_.region.residual_stride;
         succeed(dev_.template decode<key_codec>(a, layer, dev_.output_at(layer, residual), stream));
         queued = true;
       }
@@ -372,7 +407,8 @@ class cache_core : public cache_codecs<Choice> {
     v.unit_bytes = r.unit_bytes;
     v.quantized_tokens = r.quantized;
     if (side.tiles || side.kivi_value) {  // KIVI: the f16 key residual, or the values window (a ring)
-      v.residual = reinterpret_cast<f16 const*>(v.units + r.residual_offset);
+      v.residual = reinterpret_cast<f16 const*>(dev_.address(layers_[static_cast<std::size_t>(layer)]) + r.residual0 +
+                                                static_cast<std::size_t>(head) * r.residual_stride);
       v.residual_capacity = side.residual;
     }
     if (side.tiles) {
@@ -404,7 +440,6 @@ class cache_core : public cache_codecs<Choice> {
   std::size_t layer_bytes_ = 0;
   detail::vector<layer_type> layers_;
   detail::vector<detail::layer_state> state_;
-  std::string failure_;
 };
 
 KVQ_NAMESPACE_END

@@ -47,15 +47,19 @@ enum kvq_elem_type : int32_t {
 
 /// Where the keys (or values) of one layer live in the layer's allocation, and how they are encoded.
 ///
-/// kv_head h's region starts at byte `head0 + h * head_stride`; it holds the encoded units (rows,
-/// or tiles of `group` tokens for KIVI keys) from byte 0 and, for KIVI, f16 residual rows of
-/// head_dim elements from byte `residual_offset`. Token t < quantized is in unit t (rows) or
-/// t / group (tiles); token t >= quantized is residual row
-/// (residual_first + t - quantized) % residual_rows (a ring for the KIVI values window).
+/// kv_head h's encoded units (rows, or tiles of `group` tokens for KIVI keys) start at byte
+/// `head0 + h * head_stride` of the allocation; for KIVI, its f16 residual rows of head_dim
+/// elements start at byte `residual0 + h * residual_stride` (in a flat cache right after the
+/// units; in a paged cache the units are a page's and the residual rows the sequence's). Token
+/// t < quantized is in unit t (rows) or t / group (tiles); token t >= quantized is residual row
+/// (residual_first + t - quantized) % residual_rows (a ring for the KIVI values window). Token
+/// indices are relative to the units' start, so `quantized` may be negative (a page past the
+/// quantized tokens) or beyond the units.
 struct kvq_region {
-  uint64_t head0;            ///< byte offset of kv_head 0's region in the layer allocation
-  uint64_t head_stride;      ///< bytes between the regions of consecutive kv_heads
-  uint64_t residual_offset;  ///< byte offset, inside a region, of the f16 residual rows
+  uint64_t head0;            ///< byte offset of kv_head 0's units in the allocation
+  uint64_t head_stride;      ///< bytes between the units of consecutive kv_heads
+  uint64_t residual0;        ///< byte offset of kv_head 0's f16 residual rows in the allocation
+  uint64_t residual_stride;  ///< bytes between the residual rows of consecutive kv_heads
   uint32_t unit_bytes;       ///< bytes per encoded row (row codecs) or tile (KIVI keys)
   int32_t group;             ///< KIVI group size G (0 for the other codecs)
   int32_t quantized;         ///< tokens [0, quantized) are encoded units
@@ -65,7 +69,7 @@ struct kvq_region {
   int32_t fp8_saturate;      ///< fp8 codecs: 1 saturates overflow to ±max finite, 0 does not
   int32_t reserved;
 };
-static_assert(sizeof(kvq_region) == 56, "kvq_region must be 56 bytes on every compiler");
+static_assert(sizeof(kvq_region) == 64, "kvq_region must be 64 bytes on every compiler");
 
 /// Where the rows of a write batch come from.
 ///
@@ -102,7 +106,7 @@ struct kvq_write_args {
   int32_t blocks;  ///< blocks per encoded row (encode_rows)
   int32_t reserved;
 };
-static_assert(sizeof(kvq_write_args) == 120, "kvq_write_args must be 120 bytes on every compiler");
+static_assert(sizeof(kvq_write_args) == 128, "kvq_write_args must be 128 bytes on every compiler");
 
 /// Arguments of the decode kernel (buffers: the layer allocation, the output): tokens
 /// [first, first + count) of kv_head `head` to rows of `out_type`, `out_stride` elements apart.
@@ -117,18 +121,21 @@ struct kvq_decode_args {
   int32_t out_type;
   int32_t reserved;
 };
-static_assert(sizeof(kvq_decode_args) == 88, "kvq_decode_args must be 88 bytes on every compiler");
+static_assert(sizeof(kvq_decode_args) == 96, "kvq_decode_args must be 96 bytes on every compiler");
 
-/// One sequence of an attention launch: the codec state of its layer and its attended tokens.
+/// One sequence of an attention launch: the codec state of its layer, its attended tokens and,
+/// in a paged cache, its page table and residual rows.
 struct kvq_attention_seq {
   int32_t key_quantized;         ///< the key region's `quantized`
   int32_t value_quantized;       ///< the value region's `quantized`
   int32_t value_residual_first;  ///< the value region's `residual_first`
   int32_t begin;                 ///< first attended token
   int32_t end;                   ///< one past the last attended token
-  int32_t reserved;
+  int32_t pages_first;           ///< paged: index of the sequence's first page id in the page-table buffer
+  uint64_t key_residual0;        ///< the key region's `residual0` (paged: the sequence's residual slot)
+  uint64_t value_residual0;      ///< the value region's `residual0`
 };
-static_assert(sizeof(kvq_attention_seq) == 24, "kvq_attention_seq must be 24 bytes on every compiler");
+static_assert(sizeof(kvq_attention_seq) == 40, "kvq_attention_seq must be 40 bytes on every compiler");
 
 /// Arguments of the partial attention kernel (flash decoding, one query token per sequence).
 ///
@@ -138,6 +145,11 @@ static_assert(sizeof(kvq_attention_seq) == 24, "kvq_attention_seq must be 24 byt
 /// split_tokens)), `tile` tokens at a time, and writes the unnormalised partial state of each
 /// head: out (splits, q_heads, head_dim), max and sum (splits, q_heads) per sequence. The query
 /// is (q_heads, head_dim) f32 per sequence.
+///
+/// Paged caches (page_tokens > 0): token t of a sequence lives in page
+/// pages[pages_first + t / page_tokens] (the page-table buffer), whose units for kv_head h start
+/// at byte page * page_bytes + key.head0 + h * key.head_stride (values alike) of the pool, token
+/// t % page_tokens of them; the regions' head0 are then offsets inside a page.
 struct kvq_attention_args {
   kvq_region key;    ///< `quantized` and `residual_first` come from the sequence
   kvq_region value;  ///< idem
@@ -146,15 +158,18 @@ struct kvq_attention_args {
   int32_t q_heads;
   int32_t split_tokens;  ///< tokens per split (a multiple of tile)
   int32_t splits;
-  int32_t tile;        ///< tokens decoded per step (<= 32)
-  int32_t heads;       ///< query heads per block
-  int32_t chunks;      ///< blocks per kv_head along the query heads
-  float scale;         ///< softmax scale (resolved: never 0)
-  float softcap;       ///< > 0: logit = softcap * tanh(logit / softcap)
-  int32_t query_q8_0;  ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
-  int32_t probs_f16;   ///< 1: probabilities are rounded to f16 before they multiply V
+  int32_t tile;         ///< tokens decoded per step (<= 32)
+  int32_t heads;        ///< query heads per block
+  int32_t chunks;       ///< blocks per kv_head along the query heads
+  float scale;          ///< softmax scale (resolved: never 0)
+  float softcap;        ///< > 0: logit = softcap * tanh(logit / softcap)
+  int32_t query_q8_0;   ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
+  int32_t probs_f16;    ///< 1: probabilities are rounded to f16 before they multiply V
+  uint64_t page_bytes;  ///< paged: bytes between consecutive pages of the pool
+  int32_t page_tokens;  ///< paged: tokens per page; 0 for a flat cache (one region per layer)
+  int32_t reserved;
 };
-static_assert(sizeof(kvq_attention_args) == 160, "kvq_attention_args must be 160 bytes on every compiler");
+static_assert(sizeof(kvq_attention_args) == 192, "kvq_attention_args must be 192 bytes on every compiler");
 
 /// Arguments of the combine kernel: merges `splits` partial states per (sequence, query head) in
 /// split order and writes the normalised output (batch, q_heads, head_dim). Threads

@@ -153,6 +153,13 @@ KVQ_HOST_DEVICE KVQ_GLOBAL u8* region_ptr(KVQ_GLOBAL u8* layer, kvq_region r, in
 KVQ_HOST_DEVICE KVQ_GLOBAL const u8* region_ptr(KVQ_GLOBAL const u8* layer, kvq_region r, int h) {
   return layer + static_cast<i64>(r.head0) + static_cast<i64>(h) * static_cast<i64>(r.head_stride);
 }
+/// The f16 residual rows of kv_head h of region r in the allocation at `layer`.
+KVQ_HOST_DEVICE KVQ_GLOBAL u8* residual_ptr(KVQ_GLOBAL u8* layer, kvq_region r, int h) {
+  return layer + static_cast<i64>(r.residual0) + static_cast<i64>(h) * static_cast<i64>(r.residual_stride);
+}
+KVQ_HOST_DEVICE KVQ_GLOBAL const u8* residual_ptr(KVQ_GLOBAL const u8* layer, kvq_region r, int h) {
+  return layer + static_cast<i64>(r.residual0) + static_cast<i64>(h) * static_cast<i64>(r.residual_stride);
+}
 
 // ---- fp8: hardware where it matches the shared software path bit for bit ------------------------
 
@@ -225,8 +232,7 @@ KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8
   row_ref r;
   if (i < a.src.from_residual) {
     const int row = (a.src.residual_first + i) % a.dst.residual_rows;
-    r.p = region_ptr(layer, a.dst, h) + static_cast<i64>(a.dst.residual_offset) +
-          static_cast<i64>(row) * static_cast<i64>(a.head_dim) * 2;
+    r.p = residual_ptr(layer, a.dst, h) + static_cast<i64>(row) * static_cast<i64>(a.head_dim) * 2;
     r.type = kvq_elem_f16;
     r.round = 0;
   } else {
@@ -483,8 +489,7 @@ KVQ_HOST_DEVICE void encode_key_tile_at(int codec, KVQ_ARG(kvq_write_args) a, KV
 KVQ_HOST_DEVICE void store_f16_at(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer, KVQ_GLOBAL const u8* input, int h,
                                   int i, int c) {
   const int row = (a.first + i) % a.dst.residual_rows;
-  KVQ_GLOBAL u16* res =
-      reinterpret_cast<KVQ_GLOBAL u16*>(region_ptr(layer, a.dst, h) + static_cast<i64>(a.dst.residual_offset));
+  KVQ_GLOBAL u16* res = reinterpret_cast<KVQ_GLOBAL u16*>(residual_ptr(layer, a.dst, h));
   res[static_cast<i64>(row) * a.head_dim + c] =
       kd::f32_to_f16_bits_satfinite(row_value(batch_row(a, layer, input, h, i), c));
 }
@@ -574,13 +579,13 @@ KVQ_HOST_DEVICE float decode_row_element(int codec, KVQ_GLOBAL const u8* row, in
   }
 }
 
-/// Channel c of token t of the kv_head whose region starts at `reg`: an encoded row, a KIVI key
-/// tile, or an f16 residual row (t >= r.quantized).
-KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, kvq_region r, int head_dim, int t, int c) {
+/// Channel c of token t of the kv_head whose units start at `reg` and residual rows at `res`: an
+/// encoded row, a KIVI key tile, or an f16 residual row (t >= r.quantized).
+KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, KVQ_GLOBAL const u8* res, kvq_region r,
+                                     int head_dim, int t, int c) {
   if (t >= r.quantized) {
     const int row = (r.residual_first + (t - r.quantized)) % r.residual_rows;
-    KVQ_GLOBAL const u16* res = reinterpret_cast<KVQ_GLOBAL const u16*>(reg + static_cast<i64>(r.residual_offset));
-    return kd::f16_bits_to_f32(res[static_cast<i64>(row) * head_dim + c]);
+    return kd::f16_bits_to_f32(reinterpret_cast<KVQ_GLOBAL const u16*>(res)[static_cast<i64>(row) * head_dim + c]);
   }
   if (is_kivi_key(codec)) {
     const int bits = kivi_bits(codec);
@@ -600,7 +605,8 @@ KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, kvq_re
 /// decode: channel c of token first + i of kv_head `head`, written as out_type at row i.
 KVQ_HOST_DEVICE void decode_at(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL const u8* layer, KVQ_GLOBAL u8* out,
                                int i, int c) {
-  const float v = decode_element(codec, region_ptr(layer, a.src, a.head), a.src, a.head_dim, a.first + i, c);
+  const float v = decode_element(codec, region_ptr(layer, a.src, a.head), residual_ptr(layer, a.src, a.head), a.src,
+                                 a.head_dim, a.first + i, c);
   const i64 o = static_cast<i64>(i) * static_cast<i64>(a.out_stride) + c;
   if (a.out_type == kvq_elem_f32) {
     reinterpret_cast<KVQ_GLOBAL float*>(out)[o] = v;  // outputs are aligned to their element type
@@ -640,6 +646,32 @@ KVQ_HOST_DEVICE float block_dot(int codec, KVQ_GLOBAL const u8* row, int b, KVQ_
   return kd::mul_rn(kd::mul_rn(static_cast<float>(sumi), ld_f16(blk)), dq);
 }
 
+/// The first token of the units holding token t in an attention (see kvq_attention_args): its
+/// page's first token in a paged cache, 0 in a flat one.
+KVQ_HOST_DEVICE int attention_units_first(KVQ_ARG(kvq_attention_args) a, int t) {
+  return a.page_tokens > 0 ? t / a.page_tokens * a.page_tokens : 0;
+}
+
+/// The units of kv_head kv holding token t: the region's in a flat cache, its page's in a paged
+/// cache (page table `pages` from index `pages_first`).
+KVQ_HOST_DEVICE KVQ_GLOBAL const u8* attention_units(KVQ_ARG(kvq_attention_args) a, KVQ_GLOBAL const int32_t* pages,
+                                                     int pages_first, KVQ_GLOBAL const u8* layer, kvq_region r, int kv,
+                                                     int t) {
+  if (a.page_tokens > 0)
+    layer += static_cast<i64>(pages[pages_first + t / a.page_tokens]) * static_cast<i64>(a.page_bytes);
+  return region_ptr(layer, r, kv);
+}
+
+/// Channel c of token t of kv_head kv in an attention, its residual rows at `res`.
+KVQ_HOST_DEVICE float attention_element(int codec, KVQ_ARG(kvq_attention_args) a, KVQ_GLOBAL const int32_t* pages,
+                                        int pages_first, KVQ_GLOBAL const u8* layer, kvq_region r,
+                                        KVQ_GLOBAL const u8* res, int kv, int t, int c) {
+  const int first = attention_units_first(a, t);
+  KVQ_GLOBAL const u8* units = attention_units(a, pages, pages_first, layer, r, kv, t);
+  r.quantized -= first;
+  return decode_element(codec, units, res, r, a.head_dim, t - first, c);
+}
+
 /// True for the bits of -0.0f, the probability that marks a token with logit -Inf (weight 0, and
 /// skipped in P·V as kvq::attend_range skips it, so 0 * Inf in V makes no NaN).
 KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u; }
@@ -664,9 +696,9 @@ KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u
 template <class Threads>
 KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq,
                                      KVQ_GLOBAL const u8* key_layer, KVQ_GLOBAL const u8* value_layer,
-                                     KVQ_GLOBAL const float* query, KVQ_GLOBAL float* part_out,
-                                     KVQ_GLOBAL float* part_max, KVQ_GLOBAL float* part_sum, KVQ_SHARED float* smem,
-                                     int bx, int by, Threads th) {
+                                     KVQ_GLOBAL const int32_t* pages, KVQ_GLOBAL const float* query,
+                                     KVQ_GLOBAL float* part_out, KVQ_GLOBAL float* part_max, KVQ_GLOBAL float* part_sum,
+                                     KVQ_SHARED float* smem, int bx, int by, Threads th) {
   const int hd = a.head_dim;
   const int group = a.q_heads / a.kv_heads;
   const int kv = by / a.chunks;
@@ -686,11 +718,13 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   kvq_region kr = a.key;
   kr.quantized = sq.key_quantized;
   kr.residual_first = 0;
+  kr.residual0 = sq.key_residual0;
   kvq_region vr = a.value;
   vr.quantized = sq.value_quantized;
   vr.residual_first = sq.value_residual_first;
-  KVQ_GLOBAL const u8* kreg = region_ptr(key_layer, kr, kv);
-  KVQ_GLOBAL const u8* vreg = region_ptr(value_layer, vr, kv);
+  vr.residual0 = sq.value_residual0;
+  KVQ_GLOBAL const u8* kres = residual_ptr(key_layer, kr, kv);
+  KVQ_GLOBAL const u8* vres = residual_ptr(value_layer, vr, kv);
 
   const kvq_attention_smem L = kvq_attention_smem_layout(hd, T, a.heads, a.query_q8_0);
   KVQ_SHARED float* q_s = smem + L.q;
@@ -753,7 +787,8 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         for (int w = th.tid(k); w < n * hd; w += nt) {
           const int i = w / hd;
           const int c = w - i * hd;
-          k_s[i * kstride + c] = decode_element(kcodec, kreg, kr, hd, t0 + i, c);
+          k_s[i * kstride + c] =
+              attention_element(kcodec, a, pages, sq.pages_first, key_layer, kr, kres, kv, t0 + i, c);
         }
       }
       th.barrier();
@@ -766,7 +801,10 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         const int i = w - g * n;
         float dot = 0.0f;
         if (int_dot) {
-          KVQ_GLOBAL const u8* row = kreg + static_cast<i64>(t0 + i) * static_cast<i64>(kr.unit_bytes);
+          const int t = t0 + i;
+          KVQ_GLOBAL const u8* row =
+              attention_units(a, pages, sq.pages_first, key_layer, kr, kv, t) +
+              static_cast<i64>(t - attention_units_first(a, t)) * static_cast<i64>(kr.unit_bytes);
           for (int b = 0; b < nb; ++b)
             dot = kd::add_rn(dot, block_dot(kcodec, row, b, qc_s + (g * nb + b) * 32, qd_s[g * nb + b]));
         } else {
@@ -820,7 +858,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
       for (int c = tid; c < hd; c += nt) {
         for (int g = 0; g < nh; ++g) o_s[g * hd + c] *= c_s[g];
         for (int i = 0; i < n; ++i) {
-          const float v = decode_element(vcodec, vreg, vr, hd, t0 + i, c);
+          const float v = attention_element(vcodec, a, pages, sq.pages_first, value_layer, vr, vres, kv, t0 + i, c);
           for (int g = 0; g < nh; ++g) {
             const float wv = w_s[g * T + i];
             if (!is_skipped(wv)) o_s[g * hd + c] += wv * v;

@@ -121,7 +121,8 @@ auto make_cache_side(cache_shape const& shape, int residual, typename C::params_
   s.units_bytes = layout.units_bytes;
   s.region.head0 = head0;
   s.region.head_stride = head_stride;
-  s.region.residual_offset = layout.units_bytes;
+  s.region.residual0 = head0 + layout.units_bytes;
+  s.region.residual_stride = head_stride;
   s.region.unit_bytes = static_cast<std::uint32_t>(g.bytes());
   if constexpr (requires { C::group; }) s.region.group = C::group;
   s.region.residual_rows = static_cast<std::int32_t>(std::max<std::int64_t>(layout.residual_rows, 1));
@@ -337,7 +338,7 @@ inline auto plan_shift(cache_side const& k, cache_side const& v, int head_dim, l
       std::int64_t const drop = n - st.key_quantized;
       std::int64_t const keep = st.length - st.key_quantized - drop;
       std::size_t const row = static_cast<std::size_t>(head_dim) * 2;
-      std::size_t const res = k.region.residual_offset;
+      std::size_t const res = k.region.residual0 - k.region.head0;  // inside the region
       p.key[p.key_count++] = {res + static_cast<std::size_t>(drop) * row, res, static_cast<std::size_t>(keep) * row};
     }
     p.next.key_quantized = std::max<std::int64_t>(st.key_quantized - n, 0);
@@ -456,6 +457,8 @@ inline auto attention_sequence(cache_side const& k, cache_side const& v, layer_s
   s.value_residual_first = vr.residual_first;
   s.begin = static_cast<std::int32_t>(begin);
   s.end = static_cast<std::int32_t>(std::max(begin, end));
+  s.key_residual0 = k.region.residual0;
+  s.value_residual0 = v.region.residual0;
   return s;
 }
 

@@ -72,6 +72,9 @@ class cpu_device {
   void deallocate(std::byte* p, std::size_t bytes) noexcept { memory_->deallocate(p, bytes, storage_alignment); }
   auto address(std::byte* layer) const noexcept -> std::byte* { return layer; }
   auto output_at(std::byte* layer, std::size_t offset) const noexcept -> void* { return layer + offset; }
+  auto offset_output(void* out, std::size_t bytes) const noexcept -> void* {
+    return static_cast<std::byte*>(out) + bytes;
+  }
   auto finish(no_stream) const noexcept -> device_status { return {}; }
 
   /// Runs one write step of an append plan with the kernels of codec C.
@@ -153,7 +156,9 @@ class cpu_device {
     std::byte const* reg = layer + r.head0 + static_cast<std::size_t>(head) * r.head_stride;
     if (t >= r.quantized) {
       std::int64_t const row = (r.residual_first + (t - r.quantized)) % r.residual_rows;
-      cpu_kernels::convert_to_f32(reinterpret_cast<f16 const*>(reg + r.residual_offset) + row * d, y, d);
+      auto const* res =
+          reinterpret_cast<f16 const*>(layer + r.residual0 + static_cast<std::size_t>(head) * r.residual_stride);
+      cpu_kernels::convert_to_f32(res + row * d, y, d);
     } else if constexpr (C::layout == codec_layout::token_group) {
       auto const* tile =
           reinterpret_cast<std::uint8_t const*>(reg) + static_cast<std::size_t>(t / r.group) * r.unit_bytes;
@@ -189,8 +194,7 @@ class cpu_device {
   }
 
   static auto residual_row(std::byte* layer, kvq_region const& r, int h, std::int64_t row, int d) -> f16* {
-    return reinterpret_cast<f16*>(layer + r.head0 + static_cast<std::size_t>(h) * r.head_stride + r.residual_offset) +
-           row * d;
+    return reinterpret_cast<f16*>(layer + r.residual0 + static_cast<std::size_t>(h) * r.residual_stride) + row * d;
   }
 
   /// Batch rows [i0, i0 + n) of kv_head h of a write step as f32 rows of head_dim (see kvq_source):

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cuda_cache_core.hpp"
+#include "cuda_paged_cache.hpp"
 #include "kernels.cuh"
 
 KVQ_NAMESPACE_BEGIN
@@ -83,6 +84,10 @@ struct cuda_runtime {
                std::size_t height, stream_type s) const -> device_status {
     return status(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice, s),
                   "cudaMemcpy2DAsync");
+  }
+  auto upload(void* dst, void const* src, std::size_t bytes, stream_type s) const -> device_status {
+    // From pageable memory: the call returns once the source has been staged, so it may go away.
+    return status(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync");
   }
   auto zero(void* p, std::size_t bytes, stream_type s) const -> device_status {
     return status(cudaMemsetAsync(p, 0, bytes, s), "cudaMemsetAsync");
@@ -185,6 +190,38 @@ void decode_attention_batched(std::span<QuantizedKVCache<Choice, cuda>* const> c
   std::vector<core*> cores(caches.begin(), caches.end());
   detail::cuda_attention_batch<Choice, detail::cuda_runtime>(std::span<core* const>(cores), layer, q, q_heads, out, opt,
                                                              workspace, stream);
+}
+
+/// The paged cache in GPU memory: many sequences in one pool of quantized pages, with the CPU
+/// PagedKVCache's shape, semantics and pool layout, device pointers and a stream on every call
+/// (see cuda_paged_cache_core and docs/paged.md).
+///
+/// **Example**:
+/// ```
+/// kvq::PagedKVCache<kvq::q4_0, kvq::cuda> cache({32, 8, 128, 64, 8192});
+/// auto s = cache.add_sequence();
+/// cache.append(s, layer, kvq::token_major(k_dev, n, 8, 128), kvq::token_major(v_dev, n, 8, 128), stream);
+/// kvq::paged_decode_attention(cache, layer, seqs, q_dev, 32, out_dev, {}, stream);
+/// ```
+template <codec_choice Choice>
+class PagedKVCache<Choice, cuda> : public cuda_paged_cache_core<Choice, detail::cuda_runtime> {
+  using base = cuda_paged_cache_core<Choice, detail::cuda_runtime>;
+
+ public:
+  using options = typename base::options;
+  /// Allocates a zero-filled pool of `shape` on the current device (see cuda_paged_cache_core).
+  explicit PagedKVCache(paged_shape const& shape, options const& opt = options{})
+      : base(shape, opt, detail::cuda_runtime::current()) {}
+};
+
+/// Batched decode attention of one query token per sequence of `seqs` over `layer` of a CUDA
+/// paged cache: q and out (seqs.size(), q_heads, head_dim) f32 on the device, on `stream`, without
+/// waiting; results (to fp32 rounding) as the CPU kvq::paged_decode_attention.
+template <codec_choice Choice>
+void paged_decode_attention(PagedKVCache<Choice, cuda>& cache, int layer, std::span<sequence_id const> seqs,
+                            float const* q, int q_heads, float* out, attention_options const& opt,
+                            cudaStream_t stream) {
+  cache.attention(layer, seqs, q, q_heads, out, opt, stream);
 }
 
 KVQ_NAMESPACE_END

@@ -53,9 +53,14 @@ constexpr int max_batch = 64;
 
 /// The sequences of one attention launch: their layers, codec state and attended ranges, the
 /// queries (batch, q_heads, head_dim) and the partial states (batch, splits, q_heads[, head_dim]).
+/// Flat caches: up to max_batch sequences in `seq` and `layer`. Paged caches: any number of
+/// sequences in device memory (`seqs`), all in the pool `layer[0]`, reading the page-table buffer
+/// `pages`.
 struct attention_batch {
   kvq_attention_seq seq[max_batch];
   unsigned char const* layer[max_batch];
+  kvq_attention_seq const* seqs;  ///< paged: the sequences in device memory (else null)
+  std::int32_t const* pages;      ///< paged: the page-table buffer the sequences index (else null)
   float const* q;
   float* part_out;
   float* part_max;
@@ -139,6 +144,9 @@ class cuda_device {
   void deallocate(unsigned char* p, std::size_t) noexcept { rt_.deallocate(p); }
   auto address(unsigned char* layer) const noexcept -> std::byte* { return reinterpret_cast<std::byte*>(layer); }
   auto output_at(unsigned char* layer, std::size_t offset) const noexcept -> void* { return layer + offset; }
+  auto offset_output(void* out, std::size_t bytes) const noexcept -> void* {
+    return static_cast<unsigned char*>(out) + bytes;
+  }
   auto finish(stream_type) const noexcept -> device_status { return {}; }
 
   template <codec C>
@@ -311,25 +319,32 @@ class cuda_cache_core : public cache_codecs<Choice> {
 
  private:
   static auto checked(cache_shape const& s, options const& o, Runtime const& rt) -> options const& {
-    using detail::check;
     detail::check_cache_options<typename core_type::key_codec, typename core_type::value_codec>(
         s, o.residual, o.key, o.value, detail::cuda_device<Runtime>::max_capacity, "CUDA cache");
-    check<invalid_argument_error>(o.threads >= 32 && o.threads <= 256 && o.threads % 32 == 0, [&] {
-      return "CUDA cache: threads = " + std::to_string(o.threads) + " must be a multiple of 32 in [32, 256]";
-    });
-    check<invalid_argument_error>(o.split_tokens >= 0, [&] {
-      return "CUDA cache: split_tokens = " + std::to_string(o.split_tokens) + " is negative";
-    });
-    detail::attention_plan probe;
-    check<invalid_argument_error>(
-        detail::plan_attention(s.head_dim, s.kv_heads, s.kv_heads, 1, 0, true, attention_device(rt, o), probe), [&] {
-          return "CUDA cache: head_dim = " + std::to_string(s.head_dim) + " needs more shared memory than the " +
-                 std::to_string(rt.smem_per_block()) + " bytes of a block";
-        });
+    check_launch(s.head_dim, s.kv_heads, o, rt, "CUDA cache");
     return o;
   }
 
  public:
+  /// Raises invalid_argument_error naming `who` unless the launch settings of `o` are valid (threads
+  /// a multiple of 32 in [32, 256], split_tokens >= 0) and the attention of `head_dim` fits the
+  /// shared memory of a block of `rt`.
+  static void check_launch(int head_dim, int kv_heads, options const& o, Runtime const& rt, char const* who) {
+    using detail::check;
+    check<invalid_argument_error>(o.threads >= 32 && o.threads <= 256 && o.threads % 32 == 0, [&] {
+      return std::string(who) + ": threads = " + std::to_string(o.threads) + " must be a multiple of 32 in [32, 256]";
+    });
+    check<invalid_argument_error>(o.split_tokens >= 0, [&] {
+      return std::string(who) + ": split_tokens = " + std::to_string(o.split_tokens) + " is negative";
+    });
+    detail::attention_plan probe;
+    check<invalid_argument_error>(
+        detail::plan_attention(head_dim, kv_heads, kv_heads, 1, 0, true, attention_device(rt, o), probe), [&] {
+          return std::string(who) + ": head_dim = " + std::to_string(head_dim) +
+                 " needs more shared memory than the " + std::to_string(rt.smem_per_block()) + " bytes of a block";
+        });
+  }
+
   /// The attention launch settings of a runtime and options: tiles of 32 tokens, about 4 blocks
   /// per SM.
   static auto attention_device(Runtime const& rt, options const& o) -> detail::attention_device {

@@ -70,10 +70,12 @@ __global__ void __launch_bounds__(256)
   const int b = (int)blockIdx.z;
   const long long q_per_seq = (long long)a.q_heads * a.head_dim;
   const long long part = (long long)b * a.splits;
-  ::kvq::kernels::attention_block(KC, VC, a, batch.seq[b], batch.layer[b], batch.layer[b], batch.q + b * q_per_seq,
-                                  batch.part_out + part * q_per_seq, batch.part_max + part * a.q_heads,
-                                  batch.part_sum + part * a.q_heads, kvq_attention_smem, (int)blockIdx.x,
-                                  (int)blockIdx.y, block_threads{});
+  const kvq_attention_seq sq = batch.seqs != nullptr ? batch.seqs[b] : batch.seq[b];
+  unsigned char const* layer = batch.seqs != nullptr ? batch.layer[0] : batch.layer[b];
+  ::kvq::kernels::attention_block(KC, VC, a, sq, layer, layer, batch.pages,
+                                  batch.q + b * q_per_seq, batch.part_out + part * q_per_seq,
+                                  batch.part_max + part * a.q_heads, batch.part_sum + part * a.q_heads,
+                                  kvq_attention_smem, (int)blockIdx.x, (int)blockIdx.y, block_threads{});
 }
 
 template <int Unused = 0>

@@ -78,17 +78,21 @@ kernel void kvq_decode(constant kvq_decode_args& a [[buffer(0)]], device const u
 }
 
 kernel void kvq_attention_partial(constant kvq_attention_args& a [[buffer(0)]],
-                                  constant kvq_attention_seq& seq [[buffer(1)]],
+                                  constant kvq_attention_seq* seqs [[buffer(1)]],
                                   device const uchar* layer [[buffer(2)]], device const float* query [[buffer(3)]],
                                   device float* part_out [[buffer(4)]], device float* part_max [[buffer(5)]],
-                                  device float* part_sum [[buffer(6)]],
+                                  device float* part_sum [[buffer(6)]], device const int* pages [[buffer(7)]],
                                   threadgroup float* smem KVQ_METAL_THREADGROUP_BUFFER(0),
-                                  uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                                  uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                                   uint threads [[threads_per_threadgroup]]) {
   kvq_metal_threads th;
   th.n = int(threads);
   th.t = int(tid);
-  kvq::kernels::attention_block(kvq_codec, kvq_value_codec, a, seq, layer, layer, query, part_out, part_max, part_sum,
+  const int b = int(tg.z);
+  const long q_per_seq = long(a.q_heads) * a.head_dim;
+  const long part = long(b) * a.splits;
+  kvq::kernels::attention_block(kvq_codec, kvq_value_codec, a, seqs[b], layer, layer, pages, query + b * q_per_seq,
+                                part_out + part * q_per_seq, part_max + part * a.q_heads, part_sum + part * a.q_heads,
                                 smem, int(tg.x), int(tg.y), th);
 }
 

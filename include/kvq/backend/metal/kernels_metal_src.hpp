@@ -1041,15 +1041,19 @@ enum kvq_elem_type : int32_t {
 
 /// Where the keys (or values) of one layer live in the layer's allocation, and how they are encoded.
 ///
-/// kv_head h's region starts at byte `head0 + h * head_stride`; it holds the encoded units (rows,
-/// or tiles of `group` tokens for KIVI keys) from byte 0 and, for KIVI, f16 residual rows of
-/// head_dim elements from byte `residual_offset`. Token t < quantized is in unit t (rows) or
-/// t / group (tiles); token t >= quantized is residual row
-/// (residual_first + t - quantized) % residual_rows (a ring for the KIVI values window).
+/// kv_head h's encoded units (rows, or tiles of `group` tokens for KIVI keys) start at byte
+/// `head0 + h * head_stride` of the allocation; for KIVI, its f16 residual rows of head_dim
+/// elements start at byte `residual0 + h * residual_stride` (in a flat cache right after the
+/// units; in a paged cache the units are a page's and the residual rows the sequence's). Token
+/// t < quantized is in unit t (rows) or t / group (tiles); token t >= quantized is residual row
+/// (residual_first + t - quantized) % residual_rows (a ring for the KIVI values window). Token
+/// indices are relative to the units' start, so `quantized` may be negative (a page past the
+/// quantized tokens) or beyond the units.
 struct kvq_region {
-  uint64_t head0;            ///< byte offset of kv_head 0's region in the layer allocation
-  uint64_t head_stride;      ///< bytes between the regions of consecutive kv_heads
-  uint64_t residual_offset;  ///< byte offset, inside a region, of the f16 residual rows
+  uint64_t head0;            ///< byte offset of kv_head 0's units in the allocation
+  uint64_t head_stride;      ///< bytes between the units of consecutive kv_heads
+  uint64_t residual0;        ///< byte offset of kv_head 0's f16 residual rows in the allocation
+  uint64_t residual_stride;  ///< bytes between the residual rows of consecutive kv_heads
   uint32_t unit_bytes;       ///< bytes per encoded row (row codecs) or tile (KIVI keys)
   int32_t group;             ///< KIVI group size G (0 for the other codecs)
   int32_t quantized;         ///< tokens [0, quantized) are encoded units
@@ -1059,7 +1063,7 @@ struct kvq_region {
   int32_t fp8_saturate;      ///< fp8 codecs: 1 saturates overflow to ±max finite, 0 does not
   int32_t reserved;
 };
-static_assert(sizeof(kvq_region) == 56, "kvq_region must be 56 bytes on every compiler");
+static_assert(sizeof(kvq_region) == 64, "kvq_region must be 64 bytes on every compiler");
 
 /// Where the rows of a write batch come from.
 ///
@@ -1096,7 +1100,7 @@ struct kvq_write_args {
   int32_t blocks;  ///< blocks per encoded row (encode_rows)
   int32_t reserved;
 };
-static_assert(sizeof(kvq_write_args) == 120, "kvq_write_args must be 120 bytes on every compiler");
+static_assert(sizeof(kvq_write_args) == 128, "kvq_write_args must be 128 bytes on every compiler");
 
 /// Arguments of the decode kernel (buffers: the layer allocation, the output): tokens
 /// [first, first + count) of kv_head `head` to rows of `out_type`, `out_stride` elements apart.
@@ -1111,19 +1115,22 @@ struct kvq_decode_args {
   int32_t out_type;
   int32_t reserved;
 };
-static_assert(sizeof(kvq_decode_args) == 88, "kvq_decode_args must be 88 bytes on every compiler");
+static_assert(sizeof(kvq_decode_args) == 96, "kvq_decode_args must be 96 bytes on every compiler");
 
-/// One sequence of an attention launch: the codec state of its layer and its attended tokens.
+/// One sequence of an attention launch: the codec state of its layer, its attended tokens and,
+)kvq_msl",
+    R"kvq_msl(/// in a paged cache, its page table and residual rows.
 struct kvq_attention_seq {
   int32_t key_quantized;         ///< the key region's `quantized`
   int32_t value_quantized;       ///< the value region's `quantized`
   int32_t value_residual_first;  ///< the value region's `residual_first`
   int32_t begin;                 ///< first attended token
   int32_t end;                   ///< one past the last attended token
-  int32_t reserved;
+  int32_t pages_first;           ///< paged: index of the sequence's first page id in the page-table buffer
+  uint64_t key_residual0;        ///< the key region's `residual0` (paged: the sequence's residual slot)
+  uint64_t value_residual0;      ///< the value region's `residual0`
 };
-)kvq_msl",
-    R"kvq_msl(static_assert(sizeof(kvq_attention_seq) == 24, "kvq_attention_seq must be 24 bytes on every compiler");
+static_assert(sizeof(kvq_attention_seq) == 40, "kvq_attention_seq must be 40 bytes on every compiler");
 
 /// Arguments of the partial attention kernel (flash decoding, one query token per sequence).
 ///
@@ -1133,6 +1140,11 @@ struct kvq_attention_seq {
 /// split_tokens)), `tile` tokens at a time, and writes the unnormalised partial state of each
 /// head: out (splits, q_heads, head_dim), max and sum (splits, q_heads) per sequence. The query
 /// is (q_heads, head_dim) f32 per sequence.
+///
+/// Paged caches (page_tokens > 0): token t of a sequence lives in page
+/// pages[pages_first + t / page_tokens] (the page-table buffer), whose units for kv_head h start
+/// at byte page * page_bytes + key.head0 + h * key.head_stride (values alike) of the pool, token
+/// t % page_tokens of them; the regions' head0 are then offsets inside a page.
 struct kvq_attention_args {
   kvq_region key;    ///< `quantized` and `residual_first` come from the sequence
   kvq_region value;  ///< idem
@@ -1141,15 +1153,18 @@ struct kvq_attention_args {
   int32_t q_heads;
   int32_t split_tokens;  ///< tokens per split (a multiple of tile)
   int32_t splits;
-  int32_t tile;        ///< tokens decoded per step (<= 32)
-  int32_t heads;       ///< query heads per block
-  int32_t chunks;      ///< blocks per kv_head along the query heads
-  float scale;         ///< softmax scale (resolved: never 0)
-  float softcap;       ///< > 0: logit = softcap * tanh(logit / softcap)
-  int32_t query_q8_0;  ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
-  int32_t probs_f16;   ///< 1: probabilities are rounded to f16 before they multiply V
+  int32_t tile;         ///< tokens decoded per step (<= 32)
+  int32_t heads;        ///< query heads per block
+  int32_t chunks;       ///< blocks per kv_head along the query heads
+  float scale;          ///< softmax scale (resolved: never 0)
+  float softcap;        ///< > 0: logit = softcap * tanh(logit / softcap)
+  int32_t query_q8_0;   ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
+  int32_t probs_f16;    ///< 1: probabilities are rounded to f16 before they multiply V
+  uint64_t page_bytes;  ///< paged: bytes between consecutive pages of the pool
+  int32_t page_tokens;  ///< paged: tokens per page; 0 for a flat cache (one region per layer)
+  int32_t reserved;
 };
-static_assert(sizeof(kvq_attention_args) == 160, "kvq_attention_args must be 160 bytes on every compiler");
+static_assert(sizeof(kvq_attention_args) == 192, "kvq_attention_args must be 192 bytes on every compiler");
 
 /// Arguments of the combine kernel: merges `splits` partial states per (sequence, query head) in
 /// split order and writes the normalised output (batch, q_heads, head_dim). Threads
@@ -1315,6 +1330,13 @@ KVQ_HOST_DEVICE KVQ_GLOBAL u8* region_ptr(KVQ_GLOBAL u8* layer, kvq_region r, in
 KVQ_HOST_DEVICE KVQ_GLOBAL const u8* region_ptr(KVQ_GLOBAL const u8* layer, kvq_region r, int h) {
   return layer + static_cast<i64>(r.head0) + static_cast<i64>(h) * static_cast<i64>(r.head_stride);
 }
+/// The f16 residual rows of kv_head h of region r in the allocation at `layer`.
+KVQ_HOST_DEVICE KVQ_GLOBAL u8* residual_ptr(KVQ_GLOBAL u8* layer, kvq_region r, int h) {
+  return layer + static_cast<i64>(r.residual0) + static_cast<i64>(h) * static_cast<i64>(r.residual_stride);
+}
+KVQ_HOST_DEVICE KVQ_GLOBAL const u8* residual_ptr(KVQ_GLOBAL const u8* layer, kvq_region r, int h) {
+  return layer + static_cast<i64>(r.residual0) + static_cast<i64>(h) * static_cast<i64>(r.residual_stride);
+}
 
 // ---- fp8: hardware where it matches the shared software path bit for bit ------------------------
 
@@ -1358,7 +1380,8 @@ KVQ_HOST_DEVICE float fp8_e4m3_decode(u8 code, float scale) {
 /// Value of an E5M2 code times scale (E5M2 is the top byte of an f16: a shift, on every device).
 KVQ_HOST_DEVICE float fp8_e5m2_decode(u8 code, float scale) { return kd::e5m2_to_f32_scaled(code, scale); }
 
-// ---- rows of input ---------------------------------------------------------------------------------
+)kvq_msl",
+    R"kvq_msl(// ---- rows of input ---------------------------------------------------------------------------------
 
 /// A row of head_dim input values: its first element, element type and whether values pass
 /// through f16 first. Rows of an f16 residual are rows of type f16.
@@ -1387,8 +1410,7 @@ KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8
   row_ref r;
   if (i < a.src.from_residual) {
     const int row = (a.src.residual_first + i) % a.dst.residual_rows;
-    r.p = region_ptr(layer, a.dst, h) + static_cast<i64>(a.dst.residual_offset) +
-          static_cast<i64>(row) * static_cast<i64>(a.head_dim) * 2;
+    r.p = residual_ptr(layer, a.dst, h) + static_cast<i64>(row) * static_cast<i64>(a.head_dim) * 2;
     r.type = kvq_elem_f16;
     r.round = 0;
   } else {
@@ -1402,8 +1424,7 @@ KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8
   return r;
 }
 
-)kvq_msl",
-    R"kvq_msl(// ---- encoders ----------------------------------------------------------------------------------
+// ---- encoders ----------------------------------------------------------------------------------
 
 /// Encodes block b (channels [32b, 32b + 32)) of a row as ggml block_q8_0 at blk (34 bytes); lanes
 /// past head_dim are padding with code 0. As q8_0::encode_block.
@@ -1637,7 +1658,8 @@ KVQ_HOST_DEVICE void encode_key_tile_at(int codec, KVQ_ARG(kvq_write_args) a, KV
       byte = kd::kivi_pack(byte, kd::kivi_code(row_value(batch_row(a, layer, input, h, j * g + t), c), s, m, bits), t,
                            bits);
     }
-    codes[k] = byte;
+)kvq_msl",
+    R"kvq_msl(    codes[k] = byte;
   }
 }
 
@@ -1646,8 +1668,7 @@ KVQ_HOST_DEVICE void encode_key_tile_at(int codec, KVQ_ARG(kvq_write_args) a, KV
 KVQ_HOST_DEVICE void store_f16_at(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer, KVQ_GLOBAL const u8* input, int h,
                                   int i, int c) {
   const int row = (a.first + i) % a.dst.residual_rows;
-  KVQ_GLOBAL u16* res =
-      reinterpret_cast<KVQ_GLOBAL u16*>(region_ptr(layer, a.dst, h) + static_cast<i64>(a.dst.residual_offset));
+  KVQ_GLOBAL u16* res = reinterpret_cast<KVQ_GLOBAL u16*>(residual_ptr(layer, a.dst, h));
   res[static_cast<i64>(row) * a.head_dim + c] =
       kd::f32_to_f16_bits_satfinite(row_value(batch_row(a, layer, input, h, i), c));
 }
@@ -1668,8 +1689,7 @@ KVQ_HOST_DEVICE void encode_key_tiles_thread(int codec, KVQ_ARG(kvq_write_args) 
                                              KVQ_GLOBAL const u8* input, i64 idx) {
   const i64 per_head = static_cast<i64>(a.count / a.dst.group) * a.head_dim;
   if (idx >= per_head * a.kv_heads) return;
-)kvq_msl",
-    R"kvq_msl(  const int h = static_cast<int>(idx / per_head);
+  const int h = static_cast<int>(idx / per_head);
   const i64 rem = idx - static_cast<i64>(h) * per_head;
   const int j = static_cast<int>(rem / a.head_dim);
   encode_key_tile_at(codec, a, layer, input, h, j, static_cast<int>(rem - static_cast<i64>(j) * a.head_dim));
@@ -1738,13 +1758,13 @@ KVQ_HOST_DEVICE float decode_row_element(int codec, KVQ_GLOBAL const u8* row, in
   }
 }
 
-/// Channel c of token t of the kv_head whose region starts at `reg`: an encoded row, a KIVI key
-/// tile, or an f16 residual row (t >= r.quantized).
-KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, kvq_region r, int head_dim, int t, int c) {
+/// Channel c of token t of the kv_head whose units start at `reg` and residual rows at `res`: an
+/// encoded row, a KIVI key tile, or an f16 residual row (t >= r.quantized).
+KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, KVQ_GLOBAL const u8* res, kvq_region r,
+                                     int head_dim, int t, int c) {
   if (t >= r.quantized) {
     const int row = (r.residual_first + (t - r.quantized)) % r.residual_rows;
-    KVQ_GLOBAL const u16* res = reinterpret_cast<KVQ_GLOBAL const u16*>(reg + static_cast<i64>(r.residual_offset));
-    return kd::f16_bits_to_f32(res[static_cast<i64>(row) * head_dim + c]);
+    return kd::f16_bits_to_f32(reinterpret_cast<KVQ_GLOBAL const u16*>(res)[static_cast<i64>(row) * head_dim + c]);
   }
   if (is_kivi_key(codec)) {
     const int bits = kivi_bits(codec);
@@ -1764,7 +1784,8 @@ KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, kvq_re
 /// decode: channel c of token first + i of kv_head `head`, written as out_type at row i.
 KVQ_HOST_DEVICE void decode_at(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL const u8* layer, KVQ_GLOBAL u8* out,
                                int i, int c) {
-  const float v = decode_element(codec, region_ptr(layer, a.src, a.head), a.src, a.head_dim, a.first + i, c);
+  const float v = decode_element(codec, region_ptr(layer, a.src, a.head), residual_ptr(layer, a.src, a.head), a.src,
+                                 a.head_dim, a.first + i, c);
   const i64 o = static_cast<i64>(i) * static_cast<i64>(a.out_stride) + c;
   if (a.out_type == kvq_elem_f32) {
     reinterpret_cast<KVQ_GLOBAL float*>(out)[o] = v;  // outputs are aligned to their element type
@@ -1804,6 +1825,32 @@ KVQ_HOST_DEVICE float block_dot(int codec, KVQ_GLOBAL const u8* row, int b, KVQ_
   return kd::mul_rn(kd::mul_rn(static_cast<float>(sumi), ld_f16(blk)), dq);
 }
 
+/// The first token of the units holding token t in an attention (see kvq_attention_args): its
+/// page's first token in a paged cache, 0 in a flat one.
+KVQ_HOST_DEVICE int attention_units_first(KVQ_ARG(kvq_attention_args) a, int t) {
+  return a.page_tokens > 0 ? t / a.page_tokens * a.page_tokens : 0;
+}
+
+/// The units of kv_head kv holding token t: the region's in a flat cache, its page's in a paged
+/// cache (page table `pages` from index `pages_first`).
+KVQ_HOST_DEVICE KVQ_GLOBAL const u8* attention_units(KVQ_ARG(kvq_attention_args) a, KVQ_GLOBAL const int32_t* pages,
+                                                     int pages_first, KVQ_GLOBAL const u8* layer, kvq_region r, int kv,
+                                                     int t) {
+  if (a.page_tokens > 0)
+    layer += static_cast<i64>(pages[pages_first + t / a.page_tokens]) * static_cast<i64>(a.page_bytes);
+  return region_ptr(layer, r, kv);
+}
+
+/// Channel c of token t of kv_head kv in an attention, its residual rows at `res`.
+KVQ_HOST_DEVICE float attention_element(int codec, KVQ_ARG(kvq_attention_args) a, KVQ_GLOBAL const int32_t* pages,
+                                        int pages_first, KVQ_GLOBAL const u8* layer, kvq_region r,
+                                        KVQ_GLOBAL const u8* res, int kv, int t, int c) {
+  const int first = attention_units_first(a, t);
+  KVQ_GLOBAL const u8* units = attention_units(a, pages, pages_first, layer, r, kv, t);
+  r.quantized -= first;
+  return decode_element(codec, units, res, r, a.head_dim, t - first, c);
+}
+
 /// True for the bits of -0.0f, the probability that marks a token with logit -Inf (weight 0, and
 /// skipped in P·V as kvq::attend_range skips it, so 0 * Inf in V makes no NaN).
 KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u; }
@@ -1820,7 +1867,8 @@ KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u
 /// languages do not share, so they come from the backend.
 ///
 /// Per tile of `tile` tokens: the keys are decoded once into block memory (or, for the integer
-/// dots of a q8_0 query with q8_0/q4_0 keys, read in place), one thread per (head, token) computes
+)kvq_msl",
+    R"kvq_msl(/// dots of a q8_0 query with q8_0/q4_0 keys, read in place), one thread per (head, token) computes
 /// a logit, one thread per head the online softmax of the tile (token by token, as
 /// kvq::attend_range), and one thread per channel accumulates P·V, decoding every value once for
 /// all heads of the block. NaN/Inf as
@@ -1828,9 +1876,9 @@ KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u
 template <class Threads>
 KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq,
                                      KVQ_GLOBAL const u8* key_layer, KVQ_GLOBAL const u8* value_layer,
-                                     KVQ_GLOBAL const float* query, KVQ_GLOBAL float* part_out,
-                                     KVQ_GLOBAL float* part_max, KVQ_GLOBAL float* part_sum, KVQ_SHARED float* smem,
-                                     int bx, int by, Threads th) {
+                                     KVQ_GLOBAL const int32_t* pages, KVQ_GLOBAL const float* query,
+                                     KVQ_GLOBAL float* part_out, KVQ_GLOBAL float* part_max, KVQ_GLOBAL float* part_sum,
+                                     KVQ_SHARED float* smem, int bx, int by, Threads th) {
   const int hd = a.head_dim;
   const int group = a.q_heads / a.kv_heads;
   const int kv = by / a.chunks;
@@ -1850,11 +1898,13 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   kvq_region kr = a.key;
   kr.quantized = sq.key_quantized;
   kr.residual_first = 0;
+  kr.residual0 = sq.key_residual0;
   kvq_region vr = a.value;
   vr.quantized = sq.value_quantized;
   vr.residual_first = sq.value_residual_first;
-  KVQ_GLOBAL const u8* kreg = region_ptr(key_layer, kr, kv);
-  KVQ_GLOBAL const u8* vreg = region_ptr(value_layer, vr, kv);
+  vr.residual0 = sq.value_residual0;
+  KVQ_GLOBAL const u8* kres = residual_ptr(key_layer, kr, kv);
+  KVQ_GLOBAL const u8* vres = residual_ptr(value_layer, vr, kv);
 
   const kvq_attention_smem L = kvq_attention_smem_layout(hd, T, a.heads, a.query_q8_0);
   KVQ_SHARED float* q_s = smem + L.q;
@@ -1889,8 +1939,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         }
         const float d = kd::q8_0_scale(amax);
         const float id = finite ? kd::ggml_inverse_scale(d) : 0.0f;
-)kvq_msl",
-    R"kvq_msl(        const float dq = kd::f16_bits_to_f32(finite ? kd::f32_to_f16_bits(d) : kd::poisoned_f16_scale);
+        const float dq = kd::f16_bits_to_f32(finite ? kd::f32_to_f16_bits(d) : kd::poisoned_f16_scale);
         qd_s[g * nb + b] = dq;
         for (int j = 0; j < 32; ++j) {
           const int code = (finite && j < n) ? kd::q8_0_code(x[c0 + j], id) : 0;
@@ -1918,7 +1967,8 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         for (int w = th.tid(k); w < n * hd; w += nt) {
           const int i = w / hd;
           const int c = w - i * hd;
-          k_s[i * kstride + c] = decode_element(kcodec, kreg, kr, hd, t0 + i, c);
+          k_s[i * kstride + c] =
+              attention_element(kcodec, a, pages, sq.pages_first, key_layer, kr, kres, kv, t0 + i, c);
         }
       }
       th.barrier();
@@ -1931,7 +1981,10 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         const int i = w - g * n;
         float dot = 0.0f;
         if (int_dot) {
-          KVQ_GLOBAL const u8* row = kreg + static_cast<i64>(t0 + i) * static_cast<i64>(kr.unit_bytes);
+          const int t = t0 + i;
+          KVQ_GLOBAL const u8* row =
+              attention_units(a, pages, sq.pages_first, key_layer, kr, kv, t) +
+              static_cast<i64>(t - attention_units_first(a, t)) * static_cast<i64>(kr.unit_bytes);
           for (int b = 0; b < nb; ++b)
             dot = kd::add_rn(dot, block_dot(kcodec, row, b, qc_s + (g * nb + b) * 32, qd_s[g * nb + b]));
         } else {
@@ -1985,7 +2038,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
       for (int c = tid; c < hd; c += nt) {
         for (int g = 0; g < nh; ++g) o_s[g * hd + c] *= c_s[g];
         for (int i = 0; i < n; ++i) {
-          const float v = decode_element(vcodec, vreg, vr, hd, t0 + i, c);
+          const float v = attention_element(vcodec, a, pages, sq.pages_first, value_layer, vr, vres, kv, t0 + i, c);
           for (int g = 0; g < nh; ++g) {
             const float wv = w_s[g * T + i];
             if (!is_skipped(wv)) o_s[g * hd + c] += wv * v;
@@ -2083,7 +2136,8 @@ kernel void kvq_encode_rows(constant kvq_write_args& a [[buffer(0)]], device uch
 
 kernel void kvq_encode_key_tiles(constant kvq_write_args& a [[buffer(0)]], device uchar* layer [[buffer(1)]],
                                  device const uchar* input [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
-  kvq::kernels::encode_key_tiles_thread(kvq_codec, a, layer, input, long(gid));
+)kvq_msl",
+    R"kvq_msl(  kvq::kernels::encode_key_tiles_thread(kvq_codec, a, layer, input, long(gid));
 }
 
 kernel void kvq_store_f16_rows(constant kvq_write_args& a [[buffer(0)]], device uchar* layer [[buffer(1)]],
@@ -2097,17 +2151,21 @@ kernel void kvq_decode(constant kvq_decode_args& a [[buffer(0)]], device const u
 }
 
 kernel void kvq_attention_partial(constant kvq_attention_args& a [[buffer(0)]],
-                                  constant kvq_attention_seq& seq [[buffer(1)]],
+                                  constant kvq_attention_seq* seqs [[buffer(1)]],
                                   device const uchar* layer [[buffer(2)]], device const float* query [[buffer(3)]],
                                   device float* part_out [[buffer(4)]], device float* part_max [[buffer(5)]],
-                                  device float* part_sum [[buffer(6)]],
+                                  device float* part_sum [[buffer(6)]], device const int* pages [[buffer(7)]],
                                   threadgroup float* smem KVQ_METAL_THREADGROUP_BUFFER(0),
-                                  uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                                  uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                                   uint threads [[threads_per_threadgroup]]) {
   kvq_metal_threads th;
   th.n = int(threads);
   th.t = int(tid);
-  kvq::kernels::attention_block(kvq_codec, kvq_value_codec, a, seq, layer, layer, query, part_out, part_max, part_sum,
+  const int b = int(tg.z);
+  const long q_per_seq = long(a.q_heads) * a.head_dim;
+  const long part = long(b) * a.splits;
+  kvq::kernels::attention_block(kvq_codec, kvq_value_codec, a, seqs[b], layer, layer, pages, query + b * q_per_seq,
+                                part_out + part * q_per_seq, part_max + part * a.q_heads, part_sum + part * a.q_heads,
                                 smem, int(tg.x), int(tg.y), th);
 }
 

@@ -61,6 +61,8 @@ KVQ_NAMESPACE_END
 #  include "../../attention.hpp"
 #  include "../../cache.hpp"
 #  include "../../core/cache_core.hpp"
+#  include "../../core/paged_core.hpp"
+#  include "../../paged_cache.hpp"
 #  include "kernels_metal_src.hpp"
 
 /// Element types of Metal tensors and reads (metal_tensor::type, QuantizedKVCache::read): the
@@ -264,6 +266,10 @@ class metal_device {
   void deallocate(MTL::Buffer* b, std::size_t) noexcept { b->release(); }
   auto address(MTL::Buffer* b) const noexcept -> std::byte* { return static_cast<std::byte*>(b->contents()); }
   auto output_at(MTL::Buffer* b, std::size_t offset) const noexcept -> metal_span { return {b, offset}; }
+  auto offset_output(metal_span out, std::size_t bytes) const noexcept -> metal_span {
+    out.offset += bytes;
+    return out;
+  }
 
   template <codec C>
   auto write(write_step const& s, MTL::Buffer* layer, metal_span input, no_stream) -> device_status {
@@ -364,6 +370,68 @@ class metal_device {
   std::vector<metal_ref<MTL::Buffer>> retired_;
   std::string failure_text_;
 };
+
+/// The attention launch settings on Metal: tiles of up to 4096 / head_dim tokens (at most 32),
+/// about 64 threadgroups per launch.
+inline auto metal_attention_device(int head_dim, std::size_t smem, std::uint32_t threads, std::int64_t split_tokens)
+    -> attention_device {
+  attention_device d;
+  d.smem_limit = smem;
+  d.threads = static_cast<int>(threads);
+  d.max_tile = std::clamp(4096 / std::max(head_dim, 1), 1, 32);
+  d.target_blocks = 64;
+  d.split_tokens = split_tokens;
+  return d;
+}
+
+/// Raises invalid_argument_error naming `who` unless `threads` > 0 and the attention of `head_dim`
+/// fits the threadgroup memory of the library's device.
+inline void metal_check_launch(metal_library& library, int head_dim, int kv_heads, std::uint32_t threads,
+                               char const* who) {
+  check<invalid_argument_error>(threads > 0, [&] { return std::string(who) + ": threads must be > 0"; });
+  std::size_t const smem = library.device()->maxThreadgroupMemoryLength();
+  attention_plan probe;
+  check<invalid_argument_error>(plan_attention(head_dim, kv_heads, kv_heads, 1, 0, false,
+                                               metal_attention_device(head_dim, smem, threads, 0), probe),
+                                [&] {
+                                  return std::string(who) + ": head_dim = " + std::to_string(head_dim) +
+                                         " needs more threadgroup memory than the " + std::to_string(smem) +
+                                         " bytes the device has";
+                                });
+}
+
+/// Reads `count` rows of head_dim elements T to host memory `out`, rows `stride` apart: `decode`
+/// encodes the core's read into a staging span (dense rows), then this waits for the GPU (through
+/// `core`, whose failure state a failed command buffer sets) and copies the rows out.
+template <class Core, element T, class Decode>
+void metal_read_to_host(Core& core, int head_dim, std::int64_t count, T* out, std::int64_t stride, Decode&& decode) {
+  if (count == 0) return;
+  metal_pool pool;
+  std::size_t const row = static_cast<std::size_t>(head_dim) * sizeof(T);
+  metal_ref<MTL::Buffer> b(core.device().library().device()->newBuffer(static_cast<std::size_t>(count) * row,
+                                                                       MTL::ResourceStorageModeShared));
+  check<error>(static_cast<bool>(b), "read: allocating a staging buffer failed");
+  decode(metal_span{b.get(), 0});
+  core.succeed(core.device().wait());
+  auto const* src = static_cast<std::uint8_t const*>(b->contents());
+  for (std::int64_t t = 0; t < count; ++t) std::memcpy(out + t * stride, src + static_cast<std::size_t>(t) * row, row);
+}
+
+/// Copies a host tensor of (tokens, kv_heads, head_dim) into a new shared buffer of `device`,
+/// dense token-major.
+template <element T>
+auto metal_stage(metal_device& device, kv_tensor<T> const& x, int kv_heads, int head_dim) -> metal_ref<MTL::Buffer> {
+  std::size_t const row = static_cast<std::size_t>(head_dim) * sizeof(T);
+  std::size_t const bytes = static_cast<std::size_t>(x.tokens) * static_cast<std::size_t>(kv_heads) * row;
+  metal_ref<MTL::Buffer> b(
+      device.library().device()->newBuffer(std::max<std::size_t>(bytes, 16), MTL::ResourceStorageModeShared));
+  check<error>(static_cast<bool>(b), "append: allocating a staging buffer failed");
+  auto* dst = static_cast<std::uint8_t*>(b->contents());
+  for (std::int64_t t = 0; t < x.tokens; ++t)
+    for (int h = 0; h < kv_heads; ++h, dst += row)
+      std::memcpy(dst, x.data + t * x.token_stride + h * x.head_stride, row);
+  return b;
+}
 
 }  // namespace detail
 
@@ -566,35 +634,17 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
  private:
   static auto checked(std::shared_ptr<metal_library> const& library, MTL::CommandQueue* queue, cache_shape const& shape,
                       options const& opt) -> options const& {
-    using detail::check;
-    check<invalid_argument_error>(library != nullptr && queue != nullptr,
-                                  "Metal cache: no library or no command queue");
+    detail::check<invalid_argument_error>(library != nullptr && queue != nullptr,
+                                          "Metal cache: no library or no command queue");
     detail::check_cache_options<key_codec_t, value_codec_t>(shape, opt.residual, opt.key, opt.value,
                                                             detail::metal_device::max_capacity, "Metal cache");
-    check<invalid_argument_error>(opt.threads > 0, "Metal cache: threads must be > 0");
-    std::size_t const smem = library->device()->maxThreadgroupMemoryLength();
-    detail::attention_plan probe;
-    check<invalid_argument_error>(detail::plan_attention(shape.head_dim, shape.kv_heads, shape.kv_heads, 1, 0, false,
-                                                         attention_device(shape.head_dim, smem, opt.threads, 0), probe),
-                                  [&] {
-                                    return "Metal cache: head_dim = " + std::to_string(shape.head_dim) +
-                                           " needs more threadgroup memory than the " + std::to_string(smem) +
-                                           " bytes the device has";
-                                  });
+    detail::metal_check_launch(*library, shape.head_dim, shape.kv_heads, opt.threads, "Metal cache");
     return opt;
   }
 
-  /// The attention launch settings on Metal: tiles of up to 4096 / head_dim tokens (at most 32),
-  /// about 64 threadgroups per layer.
   static auto attention_device(int head_dim, std::size_t smem, std::uint32_t threads, std::int64_t split_tokens)
       -> detail::attention_device {
-    detail::attention_device d;
-    d.smem_limit = smem;
-    d.threads = static_cast<int>(threads);
-    d.max_tile = std::clamp(4096 / std::max(head_dim, 1), 1, 32);
-    d.target_blocks = 64;
-    d.split_tokens = split_tokens;
-    return d;
+    return detail::metal_attention_device(head_dim, smem, threads, split_tokens);
   }
 
   /// A Metal tensor as the core's checks see it, after the Metal-only checks (element type,
@@ -643,16 +693,7 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
   /// Copies a host tensor into a new shared buffer, dense token-major.
   template <element T>
   auto stage(kv_tensor<T> const& x) -> detail::metal_ref<MTL::Buffer> {
-    std::size_t const row = static_cast<std::size_t>(shape().head_dim) * sizeof(T);
-    std::size_t const bytes = static_cast<std::size_t>(x.tokens) * static_cast<std::size_t>(shape().kv_heads) * row;
-    detail::metal_ref<MTL::Buffer> b(
-        core_.device().library().device()->newBuffer(bytes, MTL::ResourceStorageModeShared));
-    detail::check<error>(static_cast<bool>(b), "append: allocating a staging buffer failed");
-    auto* dst = static_cast<std::uint8_t*>(b->contents());
-    for (std::int64_t t = 0; t < x.tokens; ++t)
-      for (int h = 0; h < shape().kv_heads; ++h, dst += row)
-        std::memcpy(dst, x.data + t * x.token_stride + h * x.head_stride, row);
-    return b;
+    return detail::metal_stage(core_.device(), x, shape().kv_heads, shape().head_dim);
   }
 
   template <element T>
@@ -660,18 +701,9 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
                  std::int64_t out_stride) {
     core_.check_read("read", layer, head, first, count);
     std::int64_t const stride = detail::check_read_output("read", shape().head_dim, count, out, out_stride);
-    if (count == 0) return;
-    detail::metal_pool pool;
-    std::int64_t const d = shape().head_dim;
-    std::size_t const row = static_cast<std::size_t>(d) * sizeof(T);
-    detail::metal_ref<MTL::Buffer> b(core_.device().library().device()->newBuffer(static_cast<std::size_t>(count) * row,
-                                                                                  MTL::ResourceStorageModeShared));
-    detail::check<error>(static_cast<bool>(b), "read: allocating a staging buffer failed");
-    core_.read_checked(keys, layer, head, first, count, {b.get(), 0}, detail::kernel_elem<T>(), d, {});
-    wait();
-    auto const* src = static_cast<std::uint8_t const*>(b->contents());
-    for (std::int64_t t = 0; t < count; ++t)
-      std::memcpy(out + t * stride, src + static_cast<std::size_t>(t) * row, row);
+    detail::metal_read_to_host(core_, shape().head_dim, count, out, stride, [&](detail::metal_span staging) {
+      core_.read_checked(keys, layer, head, first, count, staging, detail::kernel_elem<T>(), shape().head_dim, {});
+    });
   }
 
   /// Encodes kvq_attention_partial (+ kvq_attention_combine when `out` is set) over [begin, end).
@@ -726,6 +758,8 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
     enc->setBuffer(scratch_.get(), 0, 4);
     enc->setBuffer(scratch_.get(), o_max, 5);
     enc->setBuffer(scratch_.get(), o_sum, 6);
+    std::int32_t const no_pages = 0;  // a flat cache has no page table
+    enc->setBytes(&no_pages, sizeof no_pages, 7);
     enc->setThreadgroupMemoryLength(plan.smem_bytes, 0);
     enc->dispatchThreadgroups(MTL::Size(splits, static_cast<NS::UInteger>(shape().kv_heads * plan.chunks), 1),
                               MTL::Size(threads, 1, 1));
@@ -756,6 +790,220 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
   options opt_;
   core_type core_;
   detail::metal_ref<MTL::Buffer> scratch_;
+};
+
+/// The paged cache on an Apple GPU: many sequences in one pool of quantized pages (one shared
+/// buffer laid out as the CPU PagedKVCache's pool), the paged core (core/paged_core.hpp) over
+/// `metal_device`, and batched decode attention in one dispatch for the whole batch plus the
+/// combine (sequences and page tables in staging buffers). Host data in and out; every call waits
+/// for the GPU.
+///
+/// **Example**:
+/// ```
+/// kvq::PagedKVCache<kvq::q4_0, kvq::metal> cache(lib, queue, {32, 8, 128, 64, 4096});
+/// auto s = cache.add_sequence();
+/// cache.append(s, layer, kvq::token_major(k, n, 8, 128), kvq::token_major(v, n, 8, 128));
+/// cache.attention(layer, seqs, q, 32, out);
+/// ```
+template <codec_choice Choice>
+class PagedKVCache<Choice, metal> : public cache_codecs<Choice> {
+  using core_type = paged_core<Choice, detail::metal_device>;
+  using key_codec_t = typename core_type::key_codec;
+  using value_codec_t = typename core_type::value_codec;
+
+ public:
+  /// Run-time options (the Metal cache's).
+  using options = typename QuantizedKVCache<Choice, metal>::options;
+
+  /// Allocates the pool on the library's device; work goes to `queue`. Raises
+  /// invalid_argument_error on a bad shape or option (the CPU paged cache's checks and the Metal
+  /// limits), kvq::error when a pipeline or the allocation fails.
+  PagedKVCache(std::shared_ptr<metal_library> library, MTL::CommandQueue* queue, paged_shape const& shape,
+               options const& opt = options{})
+      : opt_(checked(library, queue, shape, opt)),
+        core_(shape, opt.residual, opt.key, opt.value,
+              detail::metal_device(std::move(library), queue, detail::kernel_codec<key_codec_t>::value,
+                                   detail::kernel_codec<value_codec_t>::value)) {}
+
+  PagedKVCache(PagedKVCache const&) = delete;
+  PagedKVCache& operator=(PagedKVCache const&) = delete;
+  ~PagedKVCache() {
+    (void)core_.device().wait();  // the GPU may still use the buffers
+  }
+
+  auto shape() const noexcept -> paged_shape const& { return core_.shape(); }
+  auto get_options() const noexcept -> options const& { return opt_; }
+  auto add_sequence() -> sequence_id { return core_.add_sequence(); }
+  auto fork(sequence_id parent) -> sequence_id {
+    detail::metal_pool pool;
+    return core_.fork(parent, {});
+  }
+  void release(sequence_id seq) { core_.release(seq); }
+  void reserve(sequence_id seq, std::int64_t n) { core_.reserve(seq, n); }
+  auto contains(sequence_id seq) const noexcept -> bool { return core_.contains(seq); }
+  auto size(sequence_id seq) const -> std::int64_t { return core_.size(seq); }
+  auto size(sequence_id seq, int layer) const -> std::int64_t { return core_.size(seq, layer); }
+  auto page_table(sequence_id seq) const -> std::span<std::int32_t const> {
+    auto const& t = core_.page_table(seq);
+    return {t.data(), t.size()};
+  }
+  auto pages() const noexcept -> page_report { return core_.pages(); }
+  auto memory() const noexcept -> memory_report { return core_.memory(); }
+  /// The buffer holding the pool (the CPU paged cache's layout, see paged_cache.hpp).
+  auto pool_buffer() const noexcept -> MTL::Buffer* { return core_.pool(); }
+
+  /// Appends host keys and values to `layer` of `seq` (see PagedKVCache::append); waits.
+  template <element T>
+  void append(sequence_id seq, int layer, kv_tensor<T> const& keys, kv_tensor<T> const& values) {
+    core_.check_append(seq, layer, detail::describe(keys), detail::describe(values));
+    if (keys.tokens == 0) return;
+    detail::metal_pool pool;
+    int const kv = shape().kv_heads, d = shape().head_dim;
+    auto k = detail::metal_stage(core_.device(), keys, kv, d);
+    auto v = detail::metal_stage(core_.device(), values, kv, d);
+    int const type = detail::kernel_elem<T>();
+    std::int64_t const ts = static_cast<std::int64_t>(kv) * d;
+    core_.append_checked(seq, layer, keys.tokens, {k.get(), 0}, detail::kernel_source(type, ts, d), {v.get(), 0},
+                         detail::kernel_source(type, ts, d), {});
+    wait();
+  }
+
+  /// Reads keys [first, first + count) of (seq, layer, head) into host memory; waits.
+  template <element T>
+  void read_keys(sequence_id seq, int layer, int head, std::int64_t first, std::int64_t count, T* out,
+                 std::int64_t out_stride = 0) {
+    read_host(true, seq, layer, head, first, count, out, out_stride);
+  }
+  /// Reads values [first, first + count) of (seq, layer, head) into host memory; waits.
+  template <element T>
+  void read_values(sequence_id seq, int layer, int head, std::int64_t first, std::int64_t count, T* out,
+                   std::int64_t out_stride = 0) {
+    read_host(false, seq, layer, head, first, count, out, out_stride);
+  }
+
+  /// Keeps the first n tokens of every layer of `seq` (see PagedKVCache::truncate); waits.
+  void truncate(sequence_id seq, std::int64_t n) {
+    detail::metal_pool pool;
+    core_.truncate(seq, n, {});
+    wait();
+  }
+
+  /// Batched decode attention of host q (seqs.size(), q_heads, head_dim) over `layer` into host
+  /// out; waits. Options, results (to fp32 rounding) and NaN/Inf rules as
+  /// kvq::paged_decode_attention.
+  void attention(int layer, std::span<sequence_id const> seqs, float const* q, int q_heads, float* out,
+                 attention_options const& opt = {}) {
+    core_.check_usable();
+    core_.check_layer(layer);
+    for (sequence_id s : seqs) core_.check_sequence(s, "attention");
+    detail::check<shape_error>(q_heads > 0 && q_heads % shape().kv_heads == 0, [&] {
+      return "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
+             std::to_string(shape().kv_heads) + " kv heads";
+    });
+    detail::check<shape_error>(seqs.empty() || (q != nullptr && out != nullptr),
+                               "attention: the query or the output is null");
+    detail::check_attention_options(opt);
+    if (seqs.empty()) return;
+    detail::metal_pool pool;
+    auto& dev = core_.device();
+    int const d = shape().head_dim;
+    float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
+    MTL::ComputePipelineState* ps =
+        dev.pipeline(detail::metal_kernel::attention_partial, core_.key_side().codec, core_.value_side().codec);
+    MTL::ComputePipelineState* combine = dev.pipeline(detail::metal_kernel::attention_combine, 0, 0);
+    NS::UInteger const w = std::max<NS::UInteger>(ps->threadExecutionWidth(), 1);
+    NS::UInteger const threads =
+        std::max<NS::UInteger>(w, std::min<NS::UInteger>(opt_.threads, ps->maxTotalThreadsPerThreadgroup()) / w * w);
+    std::size_t const limit = dev.library().device()->maxThreadgroupMemoryLength();
+    std::size_t const smem = limit - std::min<std::size_t>(limit, ps->staticThreadgroupMemoryLength());
+    detail::paged_attention_launch L;
+    detail::check<invalid_argument_error>(
+        detail::plan_paged_attention(
+            core_, layer, seqs, q_heads, opt.window, scale, opt.softcap, opt.query == query_precision::q8_0,
+            opt.probabilities == probability_precision::f16,
+            detail::metal_attention_device(d, smem, static_cast<std::uint32_t>(threads), 0), L),
+        [&] {
+          return "attention: the threadgroup memory of this device is too small for head_dim " + std::to_string(d);
+        });
+    std::size_t const batch = seqs.size();
+    std::size_t const qd = static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(d);
+    if (L.plan.splits == 0) {
+      std::fill(out, out + batch * qd, 0.0f);
+      return;
+    }
+    MTL::Device* mdev = dev.library().device();
+    std::size_t const splits = static_cast<std::size_t>(L.plan.splits);
+    std::size_t const parts = batch * splits;
+    detail::metal_ref<MTL::Buffer> qb(mdev->newBuffer(q, batch * qd * 4, MTL::ResourceStorageModeShared));
+    detail::metal_ref<MTL::Buffer> ob(mdev->newBuffer(batch * qd * 4, MTL::ResourceStorageModeShared));
+    detail::metal_ref<MTL::Buffer> part(
+        mdev->newBuffer(parts * (qd + 2 * static_cast<std::size_t>(q_heads)) * 4, MTL::ResourceStorageModeShared));
+    detail::metal_ref<MTL::Buffer> sq(
+        mdev->newBuffer(L.seqs.data(), batch * sizeof(kvq_attention_seq), MTL::ResourceStorageModeShared));
+    detail::metal_ref<MTL::Buffer> table(
+        mdev->newBuffer(std::max<std::size_t>(L.pages.size(), 1) * 4, MTL::ResourceStorageModeShared));
+    detail::check<error>(qb && ob && part && sq && table, "attention: allocating staging buffers failed");
+    if (!L.pages.empty()) std::memcpy(table->contents(), L.pages.data(), L.pages.size() * 4);
+    std::size_t const o_max = parts * qd * 4;
+    std::size_t const o_sum = o_max + parts * static_cast<std::size_t>(q_heads) * 4;
+    auto* enc = dev.encoder();
+    enc->setComputePipelineState(ps);
+    enc->setBytes(&L.args, sizeof L.args, 0);
+    enc->setBuffer(sq.get(), 0, 1);
+    enc->setBuffer(core_.pool(), 0, 2);
+    enc->setBuffer(qb.get(), 0, 3);
+    enc->setBuffer(part.get(), 0, 4);
+    enc->setBuffer(part.get(), o_max, 5);
+    enc->setBuffer(part.get(), o_sum, 6);
+    enc->setBuffer(table.get(), 0, 7);
+    enc->setThreadgroupMemoryLength(L.plan.smem_bytes, 0);
+    enc->dispatchThreadgroups(MTL::Size(splits, static_cast<NS::UInteger>(shape().kv_heads * L.plan.chunks),
+                                        static_cast<NS::UInteger>(batch)),
+                              MTL::Size(threads, 1, 1));
+    kvq_combine_args const cb{q_heads, d, L.plan.splits, static_cast<std::int32_t>(batch)};
+    enc->setBytes(&cb, sizeof cb, 0);
+    enc->setBuffer(part.get(), 0, 1);
+    enc->setBuffer(part.get(), o_max, 2);
+    enc->setBuffer(part.get(), o_sum, 3);
+    enc->setBuffer(ob.get(), 0, 4);
+    detail::metal_device::dispatch(enc, combine, static_cast<std::int64_t>(batch * qd));
+    (void)dev.finish();
+    wait();
+    std::memcpy(out, ob->contents(), batch * qd * 4);
+  }
+
+  /// Waits for all work of this cache; raises device_error if the GPU reported an error.
+  void synchronize() {
+    core_.check_usable();
+    wait();
+  }
+
+ private:
+  static auto checked(std::shared_ptr<metal_library> const& library, MTL::CommandQueue* queue, paged_shape const& shape,
+                      options const& opt) -> options const& {
+    detail::check<invalid_argument_error>(library != nullptr && queue != nullptr,
+                                          "Metal paged cache: no library or no command queue");
+    detail::check_paged_options<key_codec_t, value_codec_t>(shape, opt.residual, opt.key, opt.value,
+                                                            detail::metal_device::max_capacity, "Metal paged cache");
+    detail::metal_check_launch(*library, shape.head_dim, shape.kv_heads, opt.threads, "Metal paged cache");
+    return opt;
+  }
+
+  template <element T>
+  void read_host(bool keys, sequence_id seq, int layer, int head, std::int64_t first, std::int64_t count, T* out,
+                 std::int64_t out_stride) {
+    core_.check_read("read", seq, layer, head, first, count);
+    std::int64_t const stride = detail::check_read_output("read", shape().head_dim, count, out, out_stride);
+    detail::metal_read_to_host(core_, shape().head_dim, count, out, stride, [&](detail::metal_span staging) {
+      core_.read_checked(keys, seq, layer, head, first, count, staging, detail::kernel_elem<T>(), shape().head_dim, {});
+    });
+  }
+
+  /// Waits for the GPU; a failed command buffer raises device_error and marks the cache unusable.
+  void wait() { core_.succeed(core_.device().wait()); }
+
+  options opt_;
+  core_type core_;
 };
 
 KVQ_NAMESPACE_END
