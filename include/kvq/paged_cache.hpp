@@ -161,7 +161,8 @@ class PagedKVCache : public cache_codecs<Choice> {
   }
 
   /// Keeps the first n tokens of every layer of `seq` (speculative-decoding rollback), returning the
-  /// pages past them. Raises index_error, invalid_argument_error for n < 0.
+  /// pages past the tokens it keeps (pages taken by `reserve` included). Raises index_error,
+  /// invalid_argument_error for n < 0.
   void truncate(sequence_id seq, std::int64_t n) { core_.truncate(seq, n, {}); }
 
   /// The page ids of `seq` in token order (valid until the next non-const call). Raises index_error.

@@ -76,12 +76,11 @@ struct host_runtime {
       for (unsigned y = 0; y < gy; ++y)
         for (unsigned x = 0; x < gx; ++x) {
           long long const part = static_cast<long long>(z) * a.splits;
-          kvq::kernels::attention_block(KC, VC, a, b.seqs != nullptr ? b.seqs[z] : b.seq[z],
-                                        b.seqs != nullptr ? b.layer[0] : b.layer[z],
-                                        b.seqs != nullptr ? b.layer[0] : b.layer[z], b.pages, b.q + z * qd,
-                                        b.part_out + part * qd, b.part_max + part * a.q_heads,
-                                        b.part_sum + part * a.q_heads, sm.data(), static_cast<int>(x),
-                                        static_cast<int>(y), threads{nthreads});
+          kvq::kernels::attention_block(
+              KC, VC, a, b.seqs != nullptr ? b.seqs[z] : b.seq[z], b.seqs != nullptr ? b.layer[0] : b.layer[z],
+              b.seqs != nullptr ? b.layer[0] : b.layer[z], b.pages, b.q + z * qd, b.part_out + part * qd,
+              b.part_max + part * a.q_heads, b.part_sum + part * a.q_heads, sm.data(), static_cast<int>(x),
+              static_cast<int>(y), threads{nthreads});
         }
     return {};
   }

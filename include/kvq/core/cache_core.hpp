@@ -89,8 +89,7 @@ namespace detail {
 
 /// Raises what appending tensors `keys` and `values` to a cache of `kv_heads` x `head_dim` would
 /// violate in the tensors themselves (shape_error: heads, head_dim, counts, data, strides).
-inline void check_append_tensors(int kv_heads, int head_dim, kv_tensor_desc const& keys,
-                                 kv_tensor_desc const& values) {
+inline void check_append_tensors(int kv_heads, int head_dim, kv_tensor_desc const& keys, kv_tensor_desc const& values) {
   cache_shape const s{1, kv_heads, head_dim, 1};
   check_kv_tensor(s, keys.kv_heads, keys.head_dim, keys.tokens, keys.has_data, keys.token_stride, keys.head_stride,
                   keys.element_bytes, "keys");
@@ -150,6 +149,8 @@ class cache_core : public core_base<Choice, Device> {
   using base = core_base<Choice, Device>;
 
  public:
+  using base::check_usable;
+  using base::succeed;
   using typename base::input_type;
   using typename base::key_codec;
   using typename base::key_params;
@@ -158,8 +159,6 @@ class cache_core : public core_base<Choice, Device> {
   using typename base::stream_type;
   using typename base::value_codec;
   using typename base::value_params;
-  using base::check_usable;
-  using base::succeed;
 
   /// Validates shape and options (check_cache_options, with the device's capacity limit), then
   /// allocates every layer, zero-filled. Raises invalid_argument_error on a bad shape or option,

@@ -161,6 +161,8 @@ class paged_core : public core_base<Choice, Device> {
   using base = core_base<Choice, Device>;
 
  public:
+  using base::check_usable;
+  using base::succeed;
   using typename base::input_type;
   using typename base::key_codec;
   using typename base::key_params;
@@ -169,8 +171,6 @@ class paged_core : public core_base<Choice, Device> {
   using typename base::stream_type;
   using typename base::value_codec;
   using typename base::value_params;
-  using base::check_usable;
-  using base::succeed;
 
   /// Validates shape and options (check_paged_options), then allocates the pool, zero-filled.
   /// Raises invalid_argument_error on a bad shape or option, and what the device raises when the
@@ -441,10 +441,10 @@ class paged_core : public core_base<Choice, Device> {
 
   // ---- truncate --------------------------------------------------------------------------------
 
-  /// Keeps the first n tokens of every layer of `seq` and returns the pages past them (those no
-  /// other sequence holds go back to the pool). Cutting into a quantized KIVI key tile decodes its
-  /// kept tokens back into the f16 residual (lossy), as the flat cache. Raises index_error for an
-  /// unknown sequence, invalid_argument_error for n < 0.
+  /// Keeps the first n tokens of every layer of `seq` and returns the pages past the tokens it keeps,
+  /// reserved ones included (those no other sequence holds go back to the pool). Cutting into a quantized KIVI key tile
+  /// decodes its kept tokens back into the f16 residual (lossy), as the flat cache. Raises index_error for an unknown
+  /// sequence, invalid_argument_error for n < 0.
   void truncate(sequence_id seq, std::int64_t n, stream_type stream) {
     check_usable();
     int const s = static_cast<int>(slot_index(seq, "truncate"));

@@ -340,8 +340,8 @@ class cuda_cache_core : public cache_codecs<Choice> {
     detail::attention_plan probe;
     check<invalid_argument_error>(
         detail::plan_attention(head_dim, kv_heads, kv_heads, 1, 0, true, attention_device(rt, o), probe), [&] {
-          return std::string(who) + ": head_dim = " + std::to_string(head_dim) +
-                 " needs more shared memory than the " + std::to_string(rt.smem_per_block()) + " bytes of a block";
+          return std::string(who) + ": head_dim = " + std::to_string(head_dim) + " needs more shared memory than the " +
+                 std::to_string(rt.smem_per_block()) + " bytes of a block";
         });
   }
 

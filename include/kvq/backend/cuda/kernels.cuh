@@ -72,10 +72,10 @@ __global__ void __launch_bounds__(256)
   const long long part = (long long)b * a.splits;
   const kvq_attention_seq sq = batch.seqs != nullptr ? batch.seqs[b] : batch.seq[b];
   unsigned char const* layer = batch.seqs != nullptr ? batch.layer[0] : batch.layer[b];
-  ::kvq::kernels::attention_block(KC, VC, a, sq, layer, layer, batch.pages,
-                                  batch.q + b * q_per_seq, batch.part_out + part * q_per_seq,
-                                  batch.part_max + part * a.q_heads, batch.part_sum + part * a.q_heads,
-                                  kvq_attention_smem, (int)blockIdx.x, (int)blockIdx.y, block_threads{});
+  ::kvq::kernels::attention_block(KC, VC, a, sq, layer, layer, batch.pages, batch.q + b * q_per_seq,
+                                  batch.part_out + part * q_per_seq, batch.part_max + part * a.q_heads,
+                                  batch.part_sum + part * a.q_heads, kvq_attention_smem, (int)blockIdx.x,
+                                  (int)blockIdx.y, block_threads{});
 }
 
 template <int Unused = 0>
