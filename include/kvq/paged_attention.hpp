@@ -213,6 +213,7 @@ void paged_attention_with(Cache const& cache, int layer, std::span<sequence_id c
   }
 
   // Merge the splits of every (entry, kv_head) in order, then normalise (as combine and finalize).
+  attention_partial part = attention_partial::empty(group, d);  // a split's state, reused
   for (int b = 0; b < batch; ++b)
     for (int h = 0; h < kv; ++h) {
       std::size_t const k = static_cast<std::size_t>(b) * static_cast<std::size_t>(kv) + static_cast<std::size_t>(h);
@@ -221,19 +222,11 @@ void paged_attention_with(Cache const& cache, int layer, std::span<sequence_id c
         float const* o = states.data() + i * stride;
         float const* m = o + static_cast<std::size_t>(group) * hd;
         float const* l = m + group;
-        if (i == first_item[k]) {
-          std::copy(o, o + static_cast<std::size_t>(group) * hd, acc.out.begin());
-          std::copy(m, m + group, acc.max.begin());
-          std::copy(l, l + group, acc.sum.begin());
-          continue;
-        }
-        attention_partial part;
-        part.q_heads = group;
-        part.head_dim = d;
-        part.out.assign(o, o + static_cast<std::size_t>(group) * hd);
-        part.max.assign(m, m + group);
-        part.sum.assign(l, l + group);
-        combine(acc, part);
+        attention_partial& into = i == first_item[k] ? acc : part;
+        std::copy(o, o + static_cast<std::size_t>(group) * hd, into.out.begin());
+        std::copy(m, m + group, into.max.begin());
+        std::copy(l, l + group, into.sum.begin());
+        if (i != first_item[k]) combine(acc, part);
       }
       finalize(acc, out + (static_cast<std::size_t>(b) * static_cast<std::size_t>(q_heads) +
                            static_cast<std::size_t>(h) * static_cast<std::size_t>(group)) *

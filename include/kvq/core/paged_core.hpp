@@ -361,8 +361,8 @@ class paged_core : public core_base<Choice, Device> {
   void append_checked(sequence_id seq, int layer, std::int64_t n, input_type keys, kvq_source ks, input_type values,
                       kvq_source vs, stream_type stream) {
     if (n == 0) return;
-    slot& x = slots_[slot_index(seq, "append")];
-    int const s = static_cast<int>(slot_index(seq, "append"));
+    int const s = slot_of(seq, "append");
+    slot& x = slots_[static_cast<std::size_t>(s)];
     auto& st = x.layers[static_cast<std::size_t>(layer)];
     auto const plan = detail::plan_append(key_side_, value_side_, shape_.head_dim, shape_.kv_heads, st, n, ks, vs);
     std::int64_t const want = pages_for(std::max(length_of(x), st.length + n));

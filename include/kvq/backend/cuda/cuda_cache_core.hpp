@@ -401,9 +401,7 @@ void cuda_attention_batch(std::span<cuda_cache_core<Choice, Runtime>* const> cac
            std::to_string(shape.kv_heads) + " kv heads";
   });
   check<shape_error>(q != nullptr && out != nullptr, "attention: the query or the output is null");
-  check<invalid_argument_error>(detail::is_finite_f32(opt.scale) && opt.scale >= 0.0f &&
-                                    detail::is_finite_f32(opt.softcap) && opt.softcap >= 0.0f && opt.window >= 0,
-                                "attention: scale, softcap and window must be finite and non-negative");
+  check_attention_options(opt);
   float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
   std::int64_t span = 0;
   for (cache const* c : caches) {

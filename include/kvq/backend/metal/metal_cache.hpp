@@ -676,10 +676,7 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
       return "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
              std::to_string(shape().kv_heads) + " kv heads";
     });
-    detail::check<invalid_argument_error>(detail::is_finite_f32(opt.scale) && opt.scale >= 0.0f &&
-                                              detail::is_finite_f32(opt.softcap) && opt.softcap >= 0.0f &&
-                                              opt.window >= 0,
-                                          "attention: scale, softcap and window must be finite and non-negative");
+    detail::check_attention_options(opt);
   }
 
   /// The attended range of [begin, end) after the window option (as kvq::attend_range).
