@@ -285,27 +285,11 @@ void register_all() {
   register_machine("/again");
 }
 
-/// Takes --kvq_working_set_mib=N out of argv (Google Benchmark rejects flags it does not know).
-void parse_own_flags(int& argc, char** argv) {
-  constexpr std::string_view flag = "--kvq_working_set_mib=";
-  g_working_set = 2 * llc_bytes();
-  int kept = 1;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const arg = argv[i];
-    if (arg.substr(0, flag.size()) == flag) {
-      g_working_set = static_cast<std::size_t>(std::strtoull(argv[i] + flag.size(), nullptr, 10)) * mib;
-    } else {
-      argv[kept++] = argv[i];
-    }
-  }
-  argc = kept;
-}
-
 }  // namespace
 }  // namespace kvq_bench
 
 int main(int argc, char** argv) {
-  kvq_bench::parse_own_flags(argc, argv);
+  kvq_bench::g_working_set = kvq_bench::take_working_set_flag(argc, argv);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   kvq_bench::add_machine_context();

@@ -18,6 +18,7 @@
 #include <new>
 #include <numbers>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -102,7 +103,7 @@ inline void fill_normal(float* x, std::size_t n, std::uint64_t seed) {
 /// such as real keys have).
 inline void add_outlier_channels(float* x, std::size_t n, float factor) {
   for (std::size_t i = 0; i + head_dim <= n; i += head_dim)
-    for (std::size_t c : {3, 37, 70, 101}) x[i + c] *= factor;
+    for (std::size_t c : {3u, 37u, 70u, 101u}) x[i + c] *= factor;
 }
 
 /// Size of the last-level cache in bytes: the kernel's cache topology first (glibc's sysconf value
@@ -128,6 +129,24 @@ inline auto llc_bytes() -> std::size_t {
   }
 #endif
   return best > 0 ? best : 32 * mib;
+}
+
+/// The working set of a suite's rotation: --kvq_working_set_mib=N, taken out of argv (Google
+/// Benchmark rejects flags it does not know), or twice the last-level cache.
+inline auto take_working_set_flag(int& argc, char** argv) -> std::size_t {
+  constexpr std::string_view flag = "--kvq_working_set_mib=";
+  std::size_t bytes = 2 * llc_bytes();
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view const arg = argv[i];
+    if (arg.substr(0, flag.size()) == flag) {
+      bytes = static_cast<std::size_t>(std::strtoull(argv[i] + flag.size(), nullptr, 10)) * mib;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  return bytes;
 }
 
 /// Reads the n bytes at p once (a sum of 64-bit words) and returns the sum, so no load can be

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Runs kvq's CPU benchmarks and prints the summary: encode/decode GB/s as % of memcpy, and for decode
+# Runs kvq's CPU benchmarks and prints the summary: encode/decode GB/s as % of memcpy, for decode
 # attention the time, this machine's roofline (measured in the same run), % of roofline and speed-up
-# over the f16 cache, with the target checks. Rewrites bench/README.md with the results.
+# over the f16 cache, and save/load GB/s as % of memcpy, with the target checks. Rewrites
+# bench/README.md with the results.
 #
 # Usage: bash bench/run.sh [--json FILE] [--quick]
 #   --json FILE  also write the summary as JSON (schema in bench/README.md)
-#   --quick      a short check of the script: contexts up to 4k, one short repetition; README untouched
+#   --quick      a short check of the script: contexts up to 4k, one short repetition, a small save/load
+#                working set; README untouched
 # Build directory: $KVQ_BUILD_DIR, default build/bench (configured Release, KVQ_SIMD=native). The
-# benchmarks take about 5 minutes on 2 cores (target: under 10); building them comes on top.
+# benchmarks take about 6 minutes on 2 cores (target: under 10); building them comes on top.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 
@@ -25,7 +27,7 @@ while [ $# -gt 0 ]; do
       shift
       ;;
     -h | --help)
-      sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+      sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
       exit 0
       ;;
     *)
@@ -48,7 +50,8 @@ if [ ! -f "$build_dir/CMakeCache.txt" ]; then
     -DKVQ_BUILD_BENCHMARKS=ON -DKVQ_BUILD_TESTS=OFF -DKVQ_BUILD_EXAMPLES=OFF -DKVQ_INSTALL=OFF >/dev/null
 fi
 build_start=$SECONDS
-cmake --build "$build_dir" --target kvq_bench_codecs kvq_bench_attention kvq_bench_summary >/dev/null
+cmake --build "$build_dir" --target kvq_bench_codecs kvq_bench_attention kvq_bench_persist kvq_bench_summary \
+  >/dev/null
 echo "run.sh: built in $((SECONDS - build_start)) s ($build_dir)"
 
 bin="$build_dir/bench"
@@ -59,10 +62,12 @@ trap 'rm -rf "$tmp"' EXIT
 common=(--benchmark_repetitions=3 --benchmark_report_aggregates_only=true)
 codecs_args=(--benchmark_min_time=0.1)
 attention_args=(--benchmark_min_time=0.2)
+persist_args=(--benchmark_min_time=0.2)
 if [ "$quick" -eq 1 ]; then
   common=(--benchmark_repetitions=1)
   codecs_args=(--benchmark_min_time=0.01)
   attention_args=(--benchmark_min_time=0.01 "--benchmark_filter=machine/|/ctx:(512|4096)/")
+  persist_args=(--benchmark_min_time=0.01 --kvq_working_set_mib=1)
 fi
 
 # run_suite NAME ARGS...: one suite, its console output in a log (shown when it fails), JSON in $tmp.
@@ -83,9 +88,10 @@ run_suite() {
 start=$SECONDS
 run_suite codecs "${codecs_args[@]}"
 run_suite attention "${attention_args[@]}"
+run_suite persist "${persist_args[@]}"
 
 summary=("$bin/kvq_bench_summary" --codecs "$tmp/codecs.json" --attention "$tmp/attention.json"
-         --wall-seconds "$((SECONDS - start))")
+         --persist "$tmp/persist.json" --wall-seconds "$((SECONDS - start))")
 [ -n "$json_out" ] && summary+=(--json "$json_out")
 [ "$quick" -eq 0 ] && summary+=(--readme "$root/bench/README.md")
 echo

@@ -1,7 +1,8 @@
 // kvq benchmarks: the summariser behind bench/run.sh. It reads the Google Benchmark JSON of the
-// codec and attention suites and turns it into encode/decode percentages of memcpy, attention
-// times against this machine's roofline and the f16 cache, target checks, the --json document and
-// bench/README.md. Everything here is a pure function of the benchmark JSON.
+// codec, attention and persist suites and turns it into encode/decode percentages of memcpy,
+// attention times against this machine's roofline and the f16 cache, save/load percentages of
+// memcpy, target checks, the --json document and bench/README.md. Everything here is a pure
+// function of the benchmark JSON.
 #pragma once
 
 #include <algorithm>
@@ -236,9 +237,41 @@ struct attention_row {
   }
 };
 
+/// Operations of the persist suite (persist/<codec>/<op>), in table order; memcpy is their reference.
+inline std::vector<std::string> const persist_ops = {"save", "load_into", "load", "export", "import"};
+
+/// The persist operations held to the target of ≥ 80 % of memcpy.
+inline std::vector<std::string> const persist_target_ops = {"save", "load_into", "load"};
+
+/// Save / load figures of one codec: each operation's median time and image bytes.
+struct persist_rate {
+  std::string codec;
+  std::map<std::string, std::pair<double, double>> ops;  ///< op (memcpy included) -> (seconds, bytes)
+
+  /// Image bytes per second of `op`, if it ran.
+  auto bytes_per_s(std::string const& op) const -> std::optional<double> {
+    auto const it = ops.find(op);
+    if (it == ops.end() || !(it->second.first > 0)) return std::nullopt;
+    return it->second.second / it->second.first;
+  }
+  /// GB/s of `op` as % of memcpy's over the same image (clamped to [0, 100]), if both ran.
+  auto pct(std::string const& op) const -> std::optional<double> {
+    auto const rate = bytes_per_s(op), copy = bytes_per_s("memcpy");
+    if (!rate || !copy) return std::nullopt;
+    return percent(*rate, *copy);
+  }
+  /// Image bytes (of memcpy, else of the first operation that ran).
+  auto image_bytes() const -> double {
+    auto const it = ops.find("memcpy");
+    if (it != ops.end()) return it->second.second;
+    return ops.empty() ? 0.0 : ops.begin()->second.second;
+  }
+};
+
 /// The kinds of target (DESIGN §7 and the benchmark issue).
 enum class target_kind {
   memcpy,      ///< encode / decode at 256 MiB ≥ 80 % of memcpy
+  persist,     ///< save, load_into and load ≥ 80 % of memcpy over the same image
   roofline,    ///< attention at 16k and 32k ≥ 70 % of the roofline
   not_slower,  ///< quantized codecs not slower than the f16 cache at any context
   mha16k,      ///< mha, 16k, 1 thread: a codec's minimum speed-up over f16
@@ -260,13 +293,21 @@ struct summary {
   machine mach;
   json codecs_context = json::object();
   json attention_context = json::object();
+  json persist_context = json::object();
   std::vector<codec_rate> rates;
   std::vector<codec_summary> codecs;
   std::vector<attention_row> attention;
+  std::vector<persist_rate> persist;
   std::vector<target_result> targets;
 };
 
 namespace detail {
+
+/// The context that names the machine: the attention suite's, else the codec suite's, else the persist suite's.
+inline auto machine_context(summary const& s) -> json const& {
+  if (!s.attention_context.empty()) return s.attention_context;
+  return s.codecs_context.empty() ? s.persist_context : s.codecs_context;
+}
 
 inline auto format(char const* spec, double x) -> std::string {
   char buf[64];
@@ -336,11 +377,12 @@ inline auto attention_targets(attention_row const& r) -> std::vector<target_resu
   return out;
 }
 
-/// Summarises the two suites (either may be empty).
-inline auto summarise(suite const& codecs, suite const& attention) -> summary {
+/// Summarises the suites (any may be empty).
+inline auto summarise(suite const& codecs, suite const& attention, suite const& persist = {}) -> summary {
   summary s;
   s.codecs_context = codecs.context;
   s.attention_context = attention.context;
+  s.persist_context = persist.context;
   s.mach = machine_of(attention);
 
   // Encode/decode: one rate per (entry, size), in codec order, 256 MiB first.
@@ -432,6 +474,26 @@ inline auto summarise(suite const& codecs, suite const& attention) -> summary {
   }
   for (auto const& row : s.attention)
     for (auto& t : attention_targets(row)) s.targets.push_back(std::move(t));
+
+  // Save / load: persist/<codec>/<op>, one rate per codec in codec order.
+  std::map<std::string, persist_rate> persisted;
+  for (auto const& [name, r] : persist.runs) {
+    auto const a = name.find('/'), b = name.rfind('/');
+    if (a == std::string::npos || b == a || name.substr(0, a) != "persist") continue;
+    std::string const codec = name.substr(a + 1, b - a - 1), op = name.substr(b + 1);
+    auto& rate = persisted[codec];
+    rate.codec = codec;
+    rate.ops[op] = {r.seconds, r.counter("bytes").value_or(0.0)};
+  }
+  for (auto& [codec, rate] : persisted) s.persist.push_back(rate);
+  std::stable_sort(s.persist.begin(), s.persist.end(), [](persist_rate const& x, persist_rate const& y) {
+    return detail::codec_rank(x.codec) < detail::codec_rank(y.codec);
+  });
+  for (auto const& rate : s.persist)
+    for (auto const& op : persist_target_ops)
+      if (auto const pct = rate.pct(op))
+        s.targets.push_back({target_kind::persist, op + " " + rate.codec, "≥ 80 % of memcpy",
+                             detail::format("%.1f %%", *pct), *pct >= 80.0});
   return s;
 }
 
@@ -469,8 +531,9 @@ inline auto per_threads(std::map<int, double> const& m, double scale) -> ordered
 
 /// The --json document: {"codecs": [{"codec", "encode_pct_memcpy", "decode_pct_memcpy",
 /// "attention": [{"shape", "context", "threads", "time_ms", "roofline_ms", "pct_roofline",
-/// "speedup_vs_f16"}]}]}, plus "attention_q8_query" (the +q8q runs, same layout), "machine" and
-/// "targets" at top level.
+/// "speedup_vs_f16"}]}]}, plus "attention_q8_query" (the +q8q runs, same layout), "persist"
+/// ([{"codec", "image_bytes", "<op>_pct_memcpy" for each persist op}]), "machine" and "targets"
+/// at top level.
 inline auto to_json(summary const& s) -> ordered_json {
   ordered_json codecs = ordered_json::array(), q8 = ordered_json::array();
   for (auto const& c : s.codecs) {
@@ -494,7 +557,13 @@ inline auto to_json(summary const& s) -> ordered_json {
       failed.push_back(t.what() + " (measured " + t.measured + ")");
     }
   }
-  json const& ctx = s.attention_context.empty() ? s.codecs_context : s.attention_context;
+  ordered_json persist = ordered_json::array();
+  for (auto const& rate : s.persist) {
+    ordered_json row = {{"codec", rate.codec}, {"image_bytes", rate.image_bytes()}};
+    for (auto const& op : persist_ops) row[op + "_pct_memcpy"] = detail::optional_number(rate.pct(op), 4);
+    persist.push_back(row);
+  }
+  json const& ctx = detail::machine_context(s);
   ordered_json mach = {{"cpu_model", ctx.value("cpu_model", std::string("unknown"))},
                        {"num_cpus", ctx.value("num_cpus", 0)},
                        {"llc_bytes", ctx.value("llc_bytes", std::string())},
@@ -506,11 +575,28 @@ inline auto to_json(summary const& s) -> ordered_json {
                        {"int8_gmacs_per_s", detail::per_threads(s.mach.int8_macs_per_s, 1e-9)}};
   return {{"codecs", codecs},
           {"attention_q8_query", q8},
+          {"persist", persist},
           {"machine", mach},
           {"targets", {{"met", met}, {"total", s.targets.size()}, {"missed", failed}}}};
 }
 
 namespace detail {
+
+/// Bytes per second as GB/s text, "—" when absent.
+inline auto rate_text(std::optional<double> bytes_per_s) -> std::string {
+  return bytes_per_s ? format("%.1f", *bytes_per_s / 1e9) : "—";
+}
+
+/// A percentage as text, "—" when absent.
+inline auto pct_or_dash(std::optional<double> pct) -> std::string { return pct ? format("%.1f", *pct) : "—"; }
+
+/// "<cache>; <cpu>, last-level cache <n> bytes, <date>": what the persist rows measured, from their context.
+inline auto persist_line(summary const& s) -> std::string {
+  json const& c = s.persist_context;
+  return c.value("persist_cache", std::string("cache of unknown shape")) + "; " +
+         c.value("cpu_model", std::string("unknown CPU")) + ", last-level cache " +
+         c.value("llc_bytes", std::string("?")) + " bytes, " + c.value("date", std::string("?"));
+}
 
 inline auto gbps(std::optional<double> seconds, double bytes) -> std::string {
   return seconds && *seconds > 0 ? format("%.1f", bytes / *seconds / 1e9) : "—";
@@ -577,6 +663,7 @@ inline void print_targets(summary const& s, std::ostream& os, std::string const&
   };
   constexpr group groups[] = {
       {target_kind::memcpy, "encode/decode at 256 MiB ≥ 80 % of memcpy", false, true},
+      {target_kind::persist, "save / load_into / load ≥ 80 % of memcpy", false, true},
       {target_kind::roofline, "attention at 16k and 32k ≥ 70 % of the roofline (✗ in the attention rows)", false,
        false},
       {target_kind::not_slower, "quantized codecs not slower than f16, every context (✗ in the attention rows)", false,
@@ -630,7 +717,7 @@ class text_table {
  private:
   static auto display_width(std::string const& s) -> std::size_t {
     std::size_t n = 0;
-    for (unsigned char ch : s) n += (ch & 0xc0) != 0x80 ? 1 : 0;  // count UTF-8 lead bytes
+    for (char ch : s) n += (static_cast<unsigned char>(ch) & 0xc0) != 0x80 ? 1 : 0;  // count UTF-8 lead bytes
     return n;
   }
   std::vector<std::vector<std::string>> rows_;
@@ -640,7 +727,7 @@ class text_table {
 
 /// The text summary bench/run.sh prints.
 inline void print_text(summary const& s, std::ostream& os) {
-  json const& ctx = s.attention_context.empty() ? s.codecs_context : s.attention_context;
+  json const& ctx = detail::machine_context(s);
   os << "kvq CPU benchmarks: " << ctx.value("cpu_model", std::string("unknown CPU")) << ", " << ctx.value("num_cpus", 0)
      << " CPUs, kvq " << ctx.value("kvq_simd_level", std::string("?")) << ", "
      << ctx.value("compiler", std::string("?")) << ", " << ctx.value("date", std::string()) << "\n";
@@ -681,13 +768,38 @@ inline void print_text(summary const& s, std::ostream& os) {
     t.print(os, 3);
   }
 
+  if (!s.persist.empty()) {
+    os << "\nSave / load (single thread, in memory; " << detail::persist_line(s)
+       << "): GB/s of image bytes; % = GB/s / memcpy GB/s over the same bytes\n";
+    std::vector<std::string> head = {"codec", "image MiB"};
+    for (auto const& op : persist_ops) head.push_back(op);
+    head.push_back("memcpy");
+    for (auto const& op : persist_ops) head.push_back(op + " %");
+    head.push_back("target");
+    detail::text_table t(head);
+    for (auto const& r : s.persist) {
+      std::vector<std::string> row = {r.codec, detail::format("%.1f", r.image_bytes() / 1048576.0)};
+      for (auto const& op : persist_ops) row.push_back(detail::rate_text(r.bytes_per_s(op)));
+      row.push_back(detail::rate_text(r.bytes_per_s("memcpy")));
+      for (auto const& op : persist_ops) row.push_back(detail::pct_or_dash(r.pct(op)));
+      std::string check;
+      bool any = false, ok = true;
+      for (auto const& op : persist_target_ops)
+        if (auto const pct = r.pct(op)) any = true, ok = ok && *pct >= 80.0;
+      if (any) check = ok ? "✓" : "✗ ≥ 80 %";
+      row.push_back(check);
+      t.add(row);
+    }
+    t.print(os, 1);
+  }
+
   os << "\n";
   detail::print_targets(s, os, "  ");
 }
 
 /// bench/README.md: what the suites measure, the machine, and the result tables.
 inline void write_readme(summary const& s, std::ostream& os, double wall_seconds) {
-  json const& ctx = s.attention_context.empty() ? s.codecs_context : s.attention_context;
+  json const& ctx = detail::machine_context(s);
   auto const str = [&](char const* key) { return ctx.value(key, std::string("unknown")); };
   os << R"(# kvq benchmarks
 
@@ -697,13 +809,14 @@ inline void write_readme(summary const& s, std::ostream& os, double wall_seconds
 bash bench/run.sh [--json FILE]   # builds the suites (Release, -march=native), runs them, prints the summary
 ```
 
-`run.sh` builds in `build/bench` (or `$KVQ_BUILD_DIR`), runs the two Google Benchmark suites with
+`run.sh` builds in `build/bench` (or `$KVQ_BUILD_DIR`), runs the three Google Benchmark suites with
 real time, 3 repetitions and their medians, prints the tables below and rewrites this file; with
 `--json FILE` it also writes `{"codecs": [{"codec", "encode_pct_memcpy", "decode_pct_memcpy",
 "attention": [{"shape", "context", "threads", "time_ms", "roofline_ms", "pct_roofline",
-"speedup_vs_f16"}]}]}` (percentages 0–100; extra top-level keys: `attention_q8_query`, `machine`,
-`targets`). `--quick` is a short check of the script (contexts up to 4k, one short repetition; this
-file is left alone).
+"speedup_vs_f16"}]}]}` (percentages 0–100; extra top-level keys: `attention_q8_query`, `persist`
+(`[{"codec", "image_bytes", "save_pct_memcpy", "load_into_pct_memcpy", "load_pct_memcpy",
+"export_pct_memcpy", "import_pct_memcpy"}]`), `machine`, `targets`). `--quick` is a short check of
+the script (contexts up to 4k, one short repetition, a small working set; this file is left alone).
 
 ## What is measured
 
@@ -735,6 +848,19 @@ bandwidth is a read-only pass over a buffer of at least 8× the last-level cache
 independent accumulator chains (f32 FMA; int8 dot product). Each is measured before and again
 after the attention runs, and the higher figure is used (other load can only lower it).
 **% roofline** = roofline / time, at most 100.
+
+**Save / load** (`kvq_bench_persist`, one thread, buffers in memory): the entries of
+`<kvq/persist.hpp>` on a flat cache of 8 layers × 8 kv_heads × head_dim 128 × 8192 tokens (filled;
+keys N(0, 1) with four outlier channels ×10, values N(0, 1); KIVI at G = 32, R = 128), whose image
+is 70–140 MiB: `save` (`kvq::save` into a preallocated `span_writer` buffer), `load_into`
+(`kvq::load_into` an existing cache from a `span_reader`: the whole image validated, checksums
+included, before the cache changes), `load` (`kvq::load` of a new cache: its allocation, zeroing
+and release included), and on a paged cache (pages of 64 tokens) `export` (`kvq::export_sequence`
+of one 8192-token sequence into a preallocated buffer) and `import` (`kvq::import_sequence` of such
+an export as a new sequence). In the same binary and next to them: `memcpy` of the image's bytes
+(`kvq::saved_bytes`) from one buffer to another. Every row rotates over enough copies (caches,
+images, buffers, sequences) that one cycle touches at least twice the last-level cache. **% of
+memcpy** = GB/s of image bytes / memcpy's GB/s over the same bytes.
 
 ## Machine
 
@@ -814,11 +940,29 @@ after the attention runs, and the higher figure is used (other load can only low
     }
   }
 
-  os << "\n## Targets\n\nEncode and decode at 256 MiB ≥ 80 % of memcpy; attention at 16k and 32k (both shapes, 1 "
-        "and 2 threads) ≥ 70 % of the roofline; no quantized codec slower than the f16 cache at any context; mha, 16k, "
-        "1 thread: ≥ 3× f16 for q4_0 and KIVI-4, ≥ 4× for KIVI-2, ≥ 1.8× for q8_0, int8 and fp8 (the `+q8q` rows are "
-        "checked like their codec). For scale: llama.cpp's CPU flash attention at 16k, gqa, 1 thread takes 16.5 ms on "
-        "f16, 26.6 ms on q8_0 and 49.0 ms on q4_0.\n\n";
+  if (!s.persist.empty()) {
+    os << "\n## Save / load\n\nGB/s of image bytes, one thread; % of memcpy over the same bytes ("
+       << detail::persist_line(s) << ").\n\n| codec | image MiB |";
+    for (auto const& op : persist_ops) os << " " << op << " GB/s |";
+    os << " memcpy GB/s |";
+    for (auto const& op : persist_ops) os << " " << op << " % |";
+    os << "\n|---|---:|";
+    for (std::size_t i = 0; i < 2 * persist_ops.size() + 1; ++i) os << "---:|";
+    os << "\n";
+    for (auto const& r : s.persist) {
+      os << "| " << r.codec << " | " << detail::format("%.1f", r.image_bytes() / 1048576.0) << " |";
+      for (auto const& op : persist_ops) os << " " << detail::rate_text(r.bytes_per_s(op)) << " |";
+      os << " " << detail::rate_text(r.bytes_per_s("memcpy")) << " |";
+      for (auto const& op : persist_ops) os << " " << detail::pct_or_dash(r.pct(op)) << " |";
+      os << "\n";
+    }
+  }
+
+  os << "\n## Targets\n\nEncode and decode at 256 MiB ≥ 80 % of memcpy; save, load_into and load ≥ 80 % of memcpy; "
+        "attention at 16k and 32k (both shapes, 1 and 2 threads) ≥ 70 % of the roofline; no quantized codec slower "
+        "than the f16 cache at any context; mha, 16k, 1 thread: ≥ 3× f16 for q4_0 and KIVI-4, ≥ 4× for KIVI-2, ≥ 1.8× "
+        "for q8_0, int8 and fp8 (the `+q8q` rows are checked like their codec). For scale: llama.cpp's CPU flash "
+        "attention at 16k, gqa, 1 thread takes 16.5 ms on f16, 26.6 ms on q8_0 and 49.0 ms on q4_0.\n\n";
   detail::print_targets(s, os, "- ");
 }
 

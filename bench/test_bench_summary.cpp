@@ -1,12 +1,13 @@
 // Tests of kvq_bench_summary (bench/summary.hpp): roofline arithmetic, percentage caps, speed-ups
-// over f16, medians, and the --json document produced from canned benchmark output
-// (bench/testdata/*.json) checked against the documented schema.
+// over f16, medians, save/load percentages of memcpy, and the --json document produced from canned
+// benchmark output (bench/testdata/*.json) checked against the documented schema.
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -228,5 +229,73 @@ TEST_CASE("kvq_bench_summary --json writes the documented schema", "[bench][summ
   REQUIRE(text.find("# kvq benchmarks") == 0);
   REQUIRE(text.find("| CPU | Test CPU |") != std::string::npos);
   REQUIRE(text.find("42 s") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("save / load rows: % of memcpy over the same bytes, medians, targets, JSON", "[bench][summary]") {
+  auto const persist = sm::load_suite(read_json(KVQ_BENCH_TESTDATA "/persist.json"));
+  auto const s = sm::summarise({}, {}, persist);
+  REQUIRE(s.persist.size() == 2);  // the failed fp8_e4m3 run is skipped; q4_0 before kivi4 (DESIGN §8)
+
+  auto const& q4 = s.persist[0];
+  REQUIRE(q4.codec == "q4_0");
+  REQUIRE(q4.image_bytes() == 1e8);
+  REQUIRE_THAT(*q4.bytes_per_s("memcpy"), WithinRel(1e10, 1e-12));  // the median aggregate, not the mean
+  REQUIRE_THAT(*q4.pct("save"), WithinRel(80.0, 1e-12));
+  REQUIRE_THAT(*q4.pct("load_into"), WithinRel(50.0, 1e-12));
+  REQUIRE_THAT(*q4.pct("load"), WithinRel(25.0, 1e-12));
+  REQUIRE_THAT(*q4.pct("export"), WithinRel(100.0, 1e-12));
+  REQUIRE(*q4.pct("import") == 100.0);  // faster than memcpy: capped
+
+  auto const& kivi = s.persist[1];  // plain runs: medians 10 ms (memcpy, save) and 12.5 ms (load_into)
+  REQUIRE(kivi.codec == "kivi4");
+  REQUIRE_THAT(*kivi.pct("save"), WithinRel(100.0, 1e-12));
+  REQUIRE_THAT(*kivi.pct("load_into"), WithinRel(80.0, 1e-12));
+  REQUIRE_FALSE(kivi.pct("load").has_value());
+
+  std::size_t met = 0;
+  for (auto const& t : s.targets) {
+    REQUIRE(t.kind == sm::target_kind::persist);
+    met += t.met ? 1 : 0;
+  }
+  REQUIRE(s.targets.size() == 5);  // q4_0 save, load_into, load; kivi4 save, load_into
+  REQUIRE(met == 3);
+
+  auto const doc = sm::to_json(s);
+  REQUIRE(doc["persist"].size() == 2);
+  auto const& row = doc["persist"][0];
+  REQUIRE(keys_of(row) == std::set<std::string>{"codec", "image_bytes", "save_pct_memcpy", "load_into_pct_memcpy",
+                                                "load_pct_memcpy", "export_pct_memcpy", "import_pct_memcpy"});
+  REQUIRE(row["codec"] == "q4_0");
+  REQUIRE_THAT(row["load_pct_memcpy"].get<double>(), WithinRel(25.0, 1e-3));
+  REQUIRE(doc["persist"][1]["import_pct_memcpy"].is_null());
+  REQUIRE(doc["machine"]["cpu_model"] == "Test CPU");  // from the persist suite when it ran alone
+
+  std::ostringstream text, md;
+  sm::print_text(s, text);
+  sm::write_readme(s, md, 0);
+  REQUIRE(text.str().find("Save / load") != std::string::npos);
+  REQUIRE(md.str().find("## Save / load") != std::string::npos);
+  REQUIRE(
+      md.str().find("| q4_0 | 95.4 | 8.0 | 5.0 | 2.5 | 10.0 | 12.5 | 10.0 | 80.0 | 50.0 | 25.0 | 100.0 | 100.0 |") !=
+      std::string::npos);
+}
+
+TEST_CASE("kvq_bench_summary --persist reads the persist suite", "[bench][summary]") {
+  auto const dir =
+      std::filesystem::temp_directory_path() /
+      ("kvq_bench_summary_persist_" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  std::filesystem::create_directories(dir);
+  auto const out = (dir / "summary.json").string();
+  std::string const cmd = std::string("\"") + KVQ_BENCH_SUMMARY +
+                          "\" --codecs \"" KVQ_BENCH_TESTDATA "/codecs.json\" --attention \"" KVQ_BENCH_TESTDATA
+                          "/attention.json\" --persist \"" KVQ_BENCH_TESTDATA "/persist.json\" --json \"" +
+                          out + "\" > \"" + (dir / "stdout.txt").string() + "\"";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  auto const doc = read_json(out);
+  check_schema(doc);
+  REQUIRE(doc["persist"].size() == 2);
+  REQUIRE(doc["targets"]["total"] == 12 + 5);
+  REQUIRE(doc["targets"]["met"] == 10 + 3);
   std::filesystem::remove_all(dir);
 }

@@ -12,9 +12,11 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/core/plans.hpp
     include/kvq/core/cache_core.hpp
     include/kvq/core/paged_core.hpp
+    include/kvq/core/saved_format.hpp
     include/kvq/attention.hpp
     include/kvq/paged_cache.hpp
     include/kvq/paged_attention.hpp
+    include/kvq/persist.hpp
     include/kvq/any_cache.hpp
     include/kvq/backend/backend.hpp
     include/kvq/backend/cpu/kernels.hpp
@@ -30,6 +32,7 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/detail/config.h
     include/kvq/detail/isa_tag.h
     include/kvq/detail/host_vector.hpp
+    include/kvq/detail/crc32c.hpp
     include/kvq/detail/numeric.h
     include/kvq/detail/block_layouts.h
     include/kvq/detail/math_ggml.h

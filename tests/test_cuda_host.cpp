@@ -23,6 +23,7 @@
 #include "catch_compat.hpp"
 #include "cuda/cuda_scenario.hpp"
 #include "cuda/paged_scenario.hpp"
+#include "persist_support.hpp"
 #include "test_support.hpp"
 
 namespace {
@@ -73,11 +74,16 @@ struct host_runtime {
     std::memcpy(dst, src, bytes);
     return {};
   }
+  auto download(void* dst, void const* src, std::size_t bytes, int) const -> kvq::device_status {
+    std::memcpy(dst, src, bytes);
+    return {};
+  }
   auto zero(void* p, std::size_t bytes, int) const -> kvq::device_status {
     std::memset(p, 0, bytes);
     return {};
   }
   auto synchronize(int) const -> kvq::device_status { return {}; }
+  auto synchronize_device() const -> kvq::device_status { return {}; }
 
   /// Counts a launch; the injected failure, if due.
   auto launch() const -> kvq::device_status {
@@ -357,6 +363,43 @@ TEST_CASE("cuda host: the paged cache checks before it changes anything", "[cuda
   CHECK_THROWS_AS(g.append(a, 0, k, k, 1), kvq::device_error);
   CHECK_FALSE(g.core().usable());
   CHECK_THROWS_AS(g.read(true, a, 0, 0, 0, 1), kvq::device_error);
+}
+
+TEMPLATE_TEST_CASE("cuda host: caches save the CPU cache's bytes and load them", "[cuda_host][persist]", kvq::q8_0,
+                   kvq::q4_0, kvq::fp8_e5m2, kvq::nvfp4, (kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>),
+                   kvq::kivi<2>) {
+  using flat_t = kvq::cuda_cache_core<TestType, host_runtime>;
+  using paged_t = kvq::cuda_paged_cache_core<TestType, host_runtime>;
+  typename flat_t::options o;
+  o.residual = 32;
+  typename paged_t::options po;
+  po.residual = 32;
+  flat_t a({2, 2, 64, 256}, o, host_runtime{}), b({2, 2, 64, 256}, o, host_runtime{});
+  paged_t p({2, 2, 64, 32, 16, 4}, po, host_runtime{}), q({2, 2, 64, 32, 16, 4}, po, host_runtime{});
+  auto const failures = kvq_test::persist_failures<TestType>(
+      2, 2, 64, 32, a, b, p, q,
+      [](flat_t& c, int l, float const* k, float const* v, std::int64_t n) {
+        c.append(l, kvq::token_major(k, n, 2, 64), kvq::token_major(v, n, 2, 64), 0);
+      },
+      [](flat_t& c, bool keys, int l, int h, std::int64_t n, float* out) {
+        if (keys) {
+          c.read_keys(l, h, 0, n, out, 0, 0);
+        } else {
+          c.read_values(l, h, 0, n, out, 0, 0);
+        }
+      },
+      [](paged_t& c, kvq::sequence_id s, int l, float const* k, float const* v, std::int64_t n) {
+        c.append(s, l, kvq::token_major(k, n, 2, 64), kvq::token_major(v, n, 2, 64), 0);
+      },
+      [](paged_t& c, kvq::sequence_id s, bool keys, int l, int h, std::int64_t n, float* out) {
+        if (keys) {
+          c.read_keys(s, l, h, 0, n, out, 0, 0);
+        } else {
+          c.read_values(s, l, h, 0, n, out, 0, 0);
+        }
+      });
+  for (auto const& f : failures) FAIL_CHECK(f);
+  REQUIRE(failures.empty());
 }
 
 TEST_CASE("cuda host: a failing runtime call makes the cache unusable", "[cuda_host]") {

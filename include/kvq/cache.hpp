@@ -274,6 +274,10 @@ class QuantizedKVCache : public cache_codecs<Choice> {
   /// Raises index_error unless 0 <= head < kv_heads.
   void check_head(int head) const { core_.check_head(head); }
 
+  /// The cache core (state, sides, storage) that kvq's free functions (save, load, attention) use.
+  auto core() noexcept -> core_type& { return core_; }
+  auto core() const noexcept -> core_type const& { return core_; }
+
  private:
   template <class C>
   void decode_unchecked(kvq_region const& r, int layer, int head, std::int64_t first, std::int64_t count, float* out,

@@ -53,6 +53,13 @@ class unsupported_error : public error {
   using error::error;
 };
 
+/// Serialized data is malformed, damaged or does not match its destination (kvq::load,
+/// kvq::import_sequence); the message says what, and the destination is unchanged.
+class format_error : public error {
+ public:
+  using error::error;
+};
+
 /// A GPU runtime call failed (allocation, launch, or a device fault surfacing at synchronisation);
 /// the message names the call, and the cache it happened on is unusable from then on.
 class device_error : public error {

@@ -16,5 +16,6 @@
 #include "error.hpp"
 #include "paged_attention.hpp"
 #include "paged_cache.hpp"
+#include "persist.hpp"
 #include "simd.hpp"
 #include "version.hpp"

@@ -190,7 +190,9 @@ class PagedKVCache : public cache_codecs<Choice> {
     return storage(false, seq, layer, head);
   }
 
-  /// The core (page regions for the attention kernels).
+  /// The cache core (page tables, regions, storage) that kvq's free functions (attention,
+  /// export_sequence, import_sequence) use.
+  auto core() noexcept -> core_type& { return core_; }
   auto core() const noexcept -> core_type const& { return core_; }
 
  private:

@@ -14,6 +14,7 @@
 
 #include "cuda/cuda_scenario.hpp"
 #include "cuda/paged_scenario.hpp"
+#include "persist_support.hpp"
 
 namespace {
 
@@ -298,6 +299,57 @@ TEMPLATE_TEST_CASE("cuda: the paged cache matches the CPU paged cache", "[paged]
     INFO("R " << residual);
     kt::run_paged<TestType, device_paged_harness>(128, residual);
   }
+}
+
+TEMPLATE_TEST_CASE("cuda: caches save the CPU cache's bytes and load them", "[persist]", kvq::q8_0, kvq::q4_0,
+                   kvq::nvfp4, (kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>), kvq::kivi<2>) {
+  using flat_t = kvq::QuantizedKVCache<TestType, kvq::cuda>;
+  using paged_t = kvq::PagedKVCache<TestType, kvq::cuda>;
+  typename flat_t::options o;
+  o.residual = 32;
+  typename paged_t::options po;
+  po.residual = 32;
+  flat_t a({2, 2, 64, 256}, o), b({2, 2, 64, 256}, o);
+  paged_t p({2, 2, 64, 32, 16, 4}, po), q({2, 2, 64, 32, 16, 4}, po);
+  auto upload = [](float const* x, std::int64_t n) { return std::vector<float>(x, x + n * 2 * 64); };
+  auto const failures = kvq_test::persist_failures<TestType>(
+      2, 2, 64, 32, a, b, p, q,
+      [&](flat_t& c, int l, float const* k, float const* v, std::int64_t n) {
+        device_buffer<float> dk(upload(k, n)), dv(upload(v, n));
+        c.append(l, kvq::token_major<float>(dk.get(), n, 2, 64), kvq::token_major<float>(dv.get(), n, 2, 64),
+                 test_stream());
+        c.synchronize(test_stream());
+      },
+      [](flat_t& c, bool keys, int l, int h, std::int64_t n, float* out) {
+        device_buffer<float> d(static_cast<std::size_t>(n * 64));
+        if (keys) {
+          c.read_keys(l, h, 0, n, d.get(), 0, test_stream());
+        } else {
+          c.read_values(l, h, 0, n, d.get(), 0, test_stream());
+        }
+        c.synchronize(test_stream());
+        auto const host = d.host();
+        std::memcpy(out, host.data(), host.size() * sizeof(float));
+      },
+      [&](paged_t& c, kvq::sequence_id s, int l, float const* k, float const* v, std::int64_t n) {
+        device_buffer<float> dk(upload(k, n)), dv(upload(v, n));
+        c.append(s, l, kvq::token_major<float>(dk.get(), n, 2, 64), kvq::token_major<float>(dv.get(), n, 2, 64),
+                 test_stream());
+        c.synchronize(test_stream());
+      },
+      [](paged_t& c, kvq::sequence_id s, bool keys, int l, int h, std::int64_t n, float* out) {
+        device_buffer<float> d(static_cast<std::size_t>(n * 64));
+        if (keys) {
+          c.read_keys(s, l, h, 0, n, d.get(), 0, test_stream());
+        } else {
+          c.read_values(s, l, h, 0, n, d.get(), 0, test_stream());
+        }
+        c.synchronize(test_stream());
+        auto const host = d.host();
+        std::memcpy(out, host.data(), host.size() * sizeof(float));
+      });
+  for (auto const& f : failures) FAIL_CHECK(f);
+  REQUIRE(failures.empty());
 }
 
 TEMPLATE_TEST_CASE("cuda: bad arguments raise typed errors, cache unchanged", "[errors]", kvq::q4_0, kvq::kivi<4>,

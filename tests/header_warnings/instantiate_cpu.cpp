@@ -7,6 +7,7 @@
 // attention (the default kernel, the scalar reference and every SIMD kernel compiled in, for
 // every codec pair); the CPU codec kernels of every instruction set compiled in; simd_level.
 #include <kvq/kvq.hpp>
+#include <kvq/persist.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -62,6 +63,14 @@ void use_cache(float const* x, f16 const* h, bf16 const* b, float* out) {
   c.shift_left(1);
   out[1] = static_cast<float>(c.memory().bits_per_element + kvq::plan_memory<Choice>(c.shape(), 32).bits_per_element);
   cache_t moved(std::move(c));
+  // Saving and loading.
+  std::vector<std::byte> image;
+  kvq::vector_writer w(image);
+  kvq::save(moved, w);
+  kvq::load_into(moved, kvq::span_reader(image));
+  out[2] = static_cast<float>(kvq::saved_bytes(moved));
+  auto const loaded = kvq::load<cache_t>(kvq::span_reader(image));
+  out[3] = static_cast<float>(loaded.size(0));
   moved.reset();
 
   // The paged cache and its batched attention.
@@ -85,6 +94,13 @@ void use_cache(float const* x, f16 const* h, bf16 const* b, float* out) {
   out[2] = static_cast<float>(pv.page_bytes + p.value_storage(s, 1, 0).unit_bytes + p.page_table(f).size());
   p.truncate(f, 1);
   p.release(f);
+  // Exporting and importing a sequence.
+  std::vector<std::byte> shipped;
+  kvq::vector_writer ws(shipped);
+  kvq::export_sequence(p, s, ws);
+  kvq::export_sequence(p, s, 0, 1, ws);
+  auto const imported = kvq::import_sequence(p, kvq::span_reader(shipped));
+  kvq::import_sequence(p, imported, kvq::span_reader(shipped));
   out[3] = static_cast<float>(p.memory().bits_per_element + static_cast<double>(p.pages().used_bytes) +
                               static_cast<double>(p.size(s) + p.size(s, 1) + p.free_pages() + p.used_pages()) +
                               static_cast<double>(kvq::pages_for_budget<Choice>(p.shape(), std::size_t{1} << 24, 32)));

@@ -5,6 +5,7 @@
 #include <kvq/backend/cuda/cuda_cache_core.hpp>
 #include <kvq/backend/cuda/cuda_paged_cache.hpp>
 #include <kvq/core/kernel_bodies.h>
+#include <kvq/persist.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -33,8 +34,13 @@ struct host_runtime {
     std::memcpy(dst, src, bytes);
     return {};
   }
+  auto download(void* dst, void const* src, std::size_t bytes, int) const -> kvq::device_status {
+    std::memcpy(dst, src, bytes);
+    return {};
+  }
   auto zero(void*, std::size_t, int) const -> kvq::device_status { return {}; }
   auto synchronize(int) const -> kvq::device_status { return {}; }
+  auto synchronize_device() const -> kvq::device_status { return {}; }
   static auto in(void const* p) -> unsigned char const* { return static_cast<unsigned char const*>(p); }
   template <int C>
   auto encode_rows(kvq_write_args const& a, unsigned char* layer, void const* input, long long n, int) const
@@ -115,6 +121,12 @@ void use_core(float const* x, kvq::f16 const* h, kvq::bf16 const* b, float* out)
   c.shift_left(1, 0);
   c.synchronize(0);
   out[1] = static_cast<float>(c.memory().bits_per_element);
+  // Saving and loading.
+  std::vector<std::byte> image;
+  kvq::vector_writer w(image);
+  kvq::save(c, w);
+  kvq::load_into(c, kvq::span_reader(image));
+  out[3] = static_cast<float>(kvq::saved_bytes(c));
   c.reset();
 
   // The paged cache.
@@ -132,6 +144,13 @@ void use_core(float const* x, kvq::f16 const* h, kvq::bf16 const* b, float* out)
   p.attention(0, std::span<kvq::sequence_id const>(ids), x, 4, out, {}, 0);
   p.truncate(f, 1, 0);
   p.release(f);
+  // Exporting and importing a sequence.
+  std::vector<std::byte> shipped;
+  kvq::vector_writer sw(shipped);
+  kvq::export_sequence(p, s, sw);
+  kvq::export_sequence(p, s, 0, 1, sw);
+  auto const imported = kvq::import_sequence(p, kvq::span_reader(shipped));
+  kvq::import_sequence(p, imported, kvq::span_reader(shipped));
   p.synchronize(0);
   out[2] = static_cast<float>(p.memory().bits_per_element + static_cast<double>(p.pages().used_bytes) +
                               static_cast<double>(p.size(s) + p.size(s, 1)) +

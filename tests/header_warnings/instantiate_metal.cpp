@@ -18,6 +18,7 @@
 #endif
 #define KVQ_WITH_METAL 1
 #include <kvq/backend/metal/metal_cache.hpp>
+#include <kvq/persist.hpp>
 #if defined(KVQ_UNDEF_APPLE)
 #  undef __APPLE__
 #endif
@@ -50,6 +51,12 @@ void use_metal(MTL::Device* device, MTL::CommandQueue* queue, float const* x, kv
   c.shift_left(1);
   c.synchronize();
   out[0] = static_cast<float>(c.memory().bits_per_element + static_cast<double>(c.size(0)));
+  // Saving and loading.
+  std::vector<std::byte> image;
+  kvq::vector_writer w(image);
+  kvq::save(c, w);
+  kvq::load_into(c, kvq::span_reader(image));
+  out[2] = static_cast<float>(kvq::saved_bytes(c));
   c.reset();
 
   // The paged cache.
@@ -67,6 +74,13 @@ void use_metal(MTL::Device* device, MTL::CommandQueue* queue, float const* x, kv
   p.attention(0, std::span<kvq::sequence_id const>(ids), x, 4, out);
   p.truncate(f, 1);
   p.release(f);
+  // Exporting and importing a sequence.
+  std::vector<std::byte> shipped;
+  kvq::vector_writer ws(shipped);
+  kvq::export_sequence(p, s, ws);
+  kvq::export_sequence(p, s, 0, 1, ws);
+  auto const imported = kvq::import_sequence(p, kvq::span_reader(shipped));
+  kvq::import_sequence(p, imported, kvq::span_reader(shipped));
   p.synchronize();
   out[1] =
       static_cast<float>(p.memory().bits_per_element + static_cast<double>(p.pages().used_bytes) +

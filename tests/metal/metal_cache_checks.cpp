@@ -22,6 +22,7 @@
 #include <kvq/codec/q8_0.hpp>
 #include <kvq/paged_attention.hpp>
 #include <kvq/paged_cache.hpp>
+#include <kvq/persist.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -56,6 +57,7 @@
 #  include <Metal/Metal.hpp>
 #endif
 
+#include "../persist_support.hpp"
 #include "metal_cache_checks.hpp"
 
 namespace {
@@ -511,6 +513,45 @@ void check_paged_choice(report& r, std::string const& name, int d, int residual)
   });
 }
 
+/// Saving and loading through the Metal caches against the CPU caches (tests/persist_backend.hpp).
+template <class Choice>
+void check_persist_choice(report& r, std::string const& name, int d, int residual) {
+  using gpu_cache = kvq::QuantizedKVCache<Choice, kvq::metal>;
+  using gpu_paged = kvq::PagedKVCache<Choice, kvq::metal>;
+  r.where = "persist " + name + " head_dim " + std::to_string(d) + " R " + std::to_string(residual);
+  with_metal(r, [&](MTL::Device*, MTL::CommandQueue* queue, std::shared_ptr<kvq::metal_library> const& lib) {
+    typename gpu_cache::options o;
+    o.residual = residual;
+    typename gpu_paged::options po;
+    po.residual = residual;
+    gpu_cache a(lib, queue, {2, 2, d, 256}, o), b(lib, queue, {2, 2, d, 256}, o);
+    gpu_paged p(lib, queue, {2, 2, d, 32, 16, 4}, po), q(lib, queue, {2, 2, d, 32, 16, 4}, po);
+    auto const failures = kvq_test::persist_failures<Choice>(
+        2, 2, d, residual, a, b, p, q,
+        [&](gpu_cache& c, int l, float const* k, float const* v, std::int64_t n) {
+          c.append(l, kvq::token_major(k, n, 2, d), kvq::token_major(v, n, 2, d));
+        },
+        [](gpu_cache& c, bool keys, int l, int h, std::int64_t n, float* out) {
+          if (keys) {
+            c.read_keys(l, h, 0, n, out);
+          } else {
+            c.read_values(l, h, 0, n, out);
+          }
+        },
+        [&](gpu_paged& c, kvq::sequence_id s, int l, float const* k, float const* v, std::int64_t n) {
+          c.append(s, l, kvq::token_major(k, n, 2, d), kvq::token_major(v, n, 2, d));
+        },
+        [](gpu_paged& c, kvq::sequence_id s, bool keys, int l, int h, std::int64_t n, float* out) {
+          if (keys) {
+            c.read_keys(s, l, h, 0, n, out);
+          } else {
+            c.read_values(s, l, h, 0, n, out);
+          }
+        });
+    for (auto const& f : failures) r.expect(false, f);
+  });
+}
+
 }  // namespace
 
 auto run_metal_cache_checks(int head_dim) -> std::vector<std::string> {
@@ -530,6 +571,10 @@ auto run_metal_cache_checks(int head_dim) -> std::vector<std::string> {
   check_paged_choice<kvq::nvfp4>(r, "nvfp4", head_dim, 0);
   check_paged_choice<kvq::kivi<4>>(r, "kivi4", head_dim, 32);
   check_paged_choice<kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>>(r, "q8_0/kivi2", head_dim, 0);
+  check_persist_choice<kvq::q4_0>(r, "q4_0", head_dim, 0);
+  check_persist_choice<kvq::fp8_e4m3>(r, "fp8_e4m3", head_dim, 0);
+  check_persist_choice<kvq::kivi<4>>(r, "kivi4", head_dim, 32);
+  check_persist_choice<kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>>(r, "q8_0/kivi2", head_dim, 32);
   pool->release();
   return r.failures;
 }

@@ -366,6 +366,12 @@ class cache_core : public core_base<Choice, Device> {
     succeed(dev_.finish(stream));
   }
 
+  /// Sets the state of `layer` (checked) to `st`, a state valid for this layout, once the caller
+  /// has written the storage that `st` describes (loading a saved cache).
+  void restore_state(int layer, detail::layer_state const& st) noexcept {
+    state_[static_cast<std::size_t>(layer)] = st;
+  }
+
   /// Empties every layer.
   void reset() noexcept {
     for (auto& st : state_) st = detail::layer_state{};

@@ -475,6 +475,63 @@ class paged_core : public core_base<Choice, Device> {
     drop_pages(x, pages_for(length_of(x)));
   }
 
+  // ---- import ----------------------------------------------------------------------------------
+
+  /// Raises what adopting layer states `states` (valid for this layout, within the device's token
+  /// limit) whose tokens from `first` on are new would violate, having changed nothing: with
+  /// seq < 0 a new sequence (first must be 0; capacity_error when max_sequences are live), else
+  /// `seq` (index_error when unknown), every layer of which must hold exactly `first` tokens, all
+  /// in encoded units, first a multiple of page_tokens (invalid_argument_error); capacity_error
+  /// when the pool lacks the pages.
+  void check_adopt(sequence_id seq, std::int64_t first, std::span<detail::layer_state const> states) const {
+    check_usable();
+    std::int64_t end = 0;
+    for (auto const& st : states) end = std::max(end, st.length);
+    if (seq < 0) {
+      detail::check<invalid_argument_error>(first == 0, [&] {
+        return "import_sequence: the data starts at token " + std::to_string(first) +
+               "; import it into the sequence that holds the tokens before it";
+      });
+      (void)free_slot("import_sequence");
+      check_pages("import_sequence", pages_for(end));
+      return;
+    }
+    slot const& x = slots_[slot_index(seq, "import_sequence")];
+    detail::check<invalid_argument_error>(first % shape_.page_tokens == 0, [&] {
+      return "import_sequence: the data starts at token " + std::to_string(first) +
+             ", not a multiple of page_tokens = " + std::to_string(shape_.page_tokens);
+    });
+    for (std::size_t l = 0; l < x.layers.size(); ++l) {
+      detail::layer_state const& st = x.layers[l];
+      std::int64_t const kq = key_side_.tiles ? st.key_quantized : st.length;
+      std::int64_t const vq = value_side_.kivi_value ? st.value_quantized : st.length;
+      detail::check<invalid_argument_error>(st.length == first && kq == first && vq == first, [&] {
+        return "import_sequence: the data continues at token " + std::to_string(first) + " but layer " +
+               std::to_string(l) + " of sequence " + std::to_string(seq) + " holds " + std::to_string(st.length) +
+               " tokens (" + std::to_string(std::min(kq, vq)) + " of them encoded)";
+      });
+    }
+    std::int64_t const keep = first / shape_.page_tokens;
+    std::int64_t freed = 0;
+    for (std::size_t p = static_cast<std::size_t>(keep); p < x.pages.size(); ++p)
+      freed += refs_[static_cast<std::size_t>(x.pages[p])] == 1 ? 1 : 0;
+    check_pages("import_sequence", pages_for(end) - keep - freed);
+  }
+
+  /// Adopts checked (check_adopt) layer states: a new sequence (seq < 0) or `seq` takes fresh
+  /// pages for tokens [first, end) and the states; returns its id. The caller then writes the
+  /// units of those tokens (page_region) and the residual slot's rows.
+  auto adopt(sequence_id seq, std::int64_t first, std::span<detail::layer_state const> states) -> sequence_id {
+    if (seq < 0) seq = add_sequence();
+    slot& x = slots_[slot_index(seq, "import_sequence")];
+    drop_pages(x, first / shape_.page_tokens);
+    std::int64_t end = 0;
+    for (auto const& st : states) end = std::max(end, st.length);
+    while (static_cast<std::int64_t>(x.pages.size()) < pages_for(end)) x.pages.push_back(take_page());
+    x.layers.assign(states.begin(), states.end());
+    return seq;
+  }
+
   // ---- views -----------------------------------------------------------------------------------
 
   /// The region of keys (or values) of `layer` in page `page` (the page_index-th of its sequence,

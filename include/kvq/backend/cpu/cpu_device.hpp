@@ -59,6 +59,7 @@ class cpu_device {
   using output_type = void*;
   static constexpr char const* name = "cache";
   static constexpr std::int64_t max_capacity = std::int64_t{1} << 40;
+  static constexpr bool host_memory = true;  ///< address() is host memory, readable in place
 
   /// A device allocating from `memory` (nullptr: the default resource), which must outlive it.
   explicit cpu_device(kvq::memory_resource* memory = nullptr)
@@ -76,6 +77,17 @@ class cpu_device {
     return static_cast<std::byte*>(out) + bytes;
   }
   auto finish(no_stream) const noexcept -> device_status { return {}; }
+  /// Copies `bytes` bytes at `offset` of `layer` to host memory `dst`.
+  auto copy_out(std::byte* layer, std::size_t offset, void* dst, std::size_t bytes) const noexcept -> device_status {
+    std::memcpy(dst, layer + offset, bytes);
+    return {};
+  }
+  /// Copies `bytes` bytes of host memory `src` to `offset` of `layer`.
+  auto copy_in(std::byte* layer, std::size_t offset, void const* src, std::size_t bytes) const noexcept
+      -> device_status {
+    std::memcpy(layer + offset, src, bytes);
+    return {};
+  }
 
   /// Runs one write step of an append plan with the kernels of codec C.
   template <codec C>

@@ -89,6 +89,14 @@ struct cuda_runtime {
     // From pageable memory: the call returns once the source has been staged, so it may go away.
     return status(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync");
   }
+  auto synchronize_device() const -> device_status {
+    return status(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  auto download(void* dst, void const* src, std::size_t bytes, stream_type s) const -> device_status {
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+    return status(e, "cudaMemcpyAsync (device to host)");
+  }
   auto zero(void* p, std::size_t bytes, stream_type s) const -> device_status {
     return status(cudaMemsetAsync(p, 0, bytes, s), "cudaMemsetAsync");
   }

@@ -12,7 +12,9 @@
 //   auto copy_2d(void* dst, std::size_t dpitch, void const* src, std::size_t spitch, std::size_t width,
 //                std::size_t height, stream_type) -> device_status;   // device to device
 //   auto zero(void* p, std::size_t bytes, stream_type) -> device_status;
-//   template <int C> auto encode_rows(kvq_write_args const&, unsigned char* layer, void const* input,
+//   auto upload(void* dst, void const* src, std::size_t bytes, stream_type) -> device_status;    // host to device
+//   auto download(void* dst, void const* src, std::size_t bytes, stream_type) -> device_status;  // device to host,
+//   waited for template <int C> auto encode_rows(kvq_write_args const&, unsigned char* layer, void const* input,
 //                long long threads, stream_type) -> device_status;
 //   template <int C> auto encode_key_tiles(...same...) -> device_status;
 //   auto store_f16_rows(...same...) -> device_status;
@@ -126,6 +128,7 @@ class cuda_device {
   using output_type = void*;
   static constexpr char const* name = "CUDA cache";
   static constexpr std::int64_t max_capacity = (std::int64_t{1} << 31) - 1;
+  static constexpr bool host_memory = false;
 
   explicit cuda_device(Runtime rt)
       : rt_(std::move(rt)), workspace_(std::make_unique<basic_cuda_workspace<Runtime>>(rt_)) {}
@@ -148,6 +151,19 @@ class cuda_device {
     return static_cast<unsigned char*>(out) + bytes;
   }
   auto finish(stream_type) const noexcept -> device_status { return {}; }
+  /// Copies `bytes` bytes at `offset` of `layer` to host memory `dst` once all of the device's work
+  /// (every stream) is done.
+  auto copy_out(unsigned char* layer, std::size_t offset, void* dst, std::size_t bytes) -> device_status {
+    device_status const st = rt_.synchronize_device();
+    return st.ok() ? rt_.download(dst, layer + offset, bytes, stream_type{}) : st;
+  }
+  /// Copies `bytes` bytes of host memory `src` to `offset` of `layer` once all of the device's work is
+  /// done, and waits for the copy.
+  auto copy_in(unsigned char* layer, std::size_t offset, void const* src, std::size_t bytes) -> device_status {
+    device_status st = rt_.synchronize_device();
+    if (st.ok()) st = rt_.upload(layer + offset, src, bytes, stream_type{});
+    return st.ok() ? rt_.synchronize_device() : st;
+  }
 
   template <codec C>
   auto write(write_step const& s, unsigned char* layer, void const* input, stream_type stream) -> device_status {

@@ -233,6 +233,9 @@ class metal_device {
   using output_type = metal_span;
   static constexpr char const* name = "Metal cache";
   static constexpr std::int64_t max_capacity = (std::int64_t{1} << 31) - 1;
+  static constexpr bool host_memory = false;  ///< shared storage, but read only after the GPU's work
+  /// What a kvq operation driving the core directly holds while it runs (drains autoreleased objects).
+  using operation_scope = metal_pool;
 
   /// A device encoding on `queue` with the kernels of `library`, for key codec `key` and value
   /// codec `value` (kvq_codec_id); makes their pipelines (raises kvq::error when one fails).
@@ -305,6 +308,19 @@ class metal_device {
       std::memmove(reg + m.dst, reg + m.src, m.bytes);
     }
     return {};
+  }
+
+  /// Waits for the GPU, then copies `bytes` bytes at `offset` of `b` to host memory `dst`.
+  auto copy_out(MTL::Buffer* b, std::size_t offset, void* dst, std::size_t bytes) -> device_status {
+    device_status const st = wait();
+    if (st.ok()) std::memcpy(dst, static_cast<std::byte const*>(b->contents()) + offset, bytes);
+    return st;
+  }
+  /// Waits for the GPU, then copies `bytes` bytes of host memory `src` to `offset` of `b`.
+  auto copy_in(MTL::Buffer* b, std::size_t offset, void const* src, std::size_t bytes) -> device_status {
+    device_status const st = wait();
+    if (st.ok()) std::memcpy(static_cast<std::byte*>(b->contents()) + offset, src, bytes);
+    return st;
   }
 
   /// Commits the operation's command buffer, if it encoded anything.
@@ -630,6 +646,10 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
     core_.check_usable();
     wait();
   }
+
+  /// The cache core (state, sides, storage) that kvq's free functions (save, load, attention) use.
+  auto core() noexcept -> core_type& { return core_; }
+  auto core() const noexcept -> core_type const& { return core_; }
 
  private:
   static auto checked(std::shared_ptr<metal_library> const& library, MTL::CommandQueue* queue, cache_shape const& shape,
@@ -974,6 +994,10 @@ class PagedKVCache<Choice, metal> : public cache_codecs<Choice> {
     core_.check_usable();
     wait();
   }
+
+  /// The cache core (state, sides, storage) that kvq's free functions (save, load, attention) use.
+  auto core() noexcept -> core_type& { return core_; }
+  auto core() const noexcept -> core_type const& { return core_; }
 
  private:
   static auto checked(std::shared_ptr<metal_library> const& library, MTL::CommandQueue* queue, paged_shape const& shape,
