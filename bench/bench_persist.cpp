@@ -6,10 +6,14 @@
 // (G = 32, R = 128) and fp8_e4m3; one image is 70 to 140 MiB (counter bytes). Keys are N(0,1) with
 // four outlier channels ×10, values N(0,1). Rows, all over buffers in memory:
 //   persist/<codec>/save       kvq::save into a preallocated buffer (kvq::span_writer)
-//   persist/<codec>/load_into  kvq::load_into an existing cache from a buffer (kvq::span_reader)
+//   persist/<codec>/load_into  kvq::load_into an existing cache, reset first (an engine restoring a
+//                              prompt cache), from a buffer (kvq::span_reader)
+//   persist/<codec>/replace    kvq::load_into a cache holding tokens (the image checked, then copied)
 //   persist/<codec>/load       kvq::load of a new cache from a buffer (its allocation and release
 //                              included)
 //   persist/<codec>/memcpy     memcpy of kvq::saved_bytes(cache) bytes from one buffer to another
+//   persist/<codec>/memcpy_new memcpy of those bytes into a new allocation, freed after (the
+//                              reference of `load`, which also fills memory the kernel hands over)
 //   persist/<codec>/export     kvq::export_sequence of a whole 8192-token sequence of a paged cache
 //                              (pages of 64 tokens) into a preallocated buffer
 //   persist/<codec>/import     kvq::import_sequence of such an export as a new sequence (releasing
@@ -219,7 +223,7 @@ void report(benchmark::State& state, std::size_t bytes, std::size_t copies) {
 }
 
 /// The flat operations of the benchmark.
-enum class flat_op { save, load_into, load, memcpy };
+enum class flat_op { save, load_into, replace, load, memcpy, memcpy_new };
 
 /// One flat row: iteration i runs `op` on copy i mod n.
 template <class Choice>
@@ -236,6 +240,10 @@ void bm_flat(benchmark::State& state, std::string const& codec, flat_op op) {
         kvq::save(*f.caches[i], kvq::span_writer(std::span<std::byte>(out, bytes)));
         break;
       case flat_op::load_into:
+        f.caches[i]->reset();
+        kvq::load_into(*f.caches[i], kvq::span_reader(image));
+        break;
+      case flat_op::replace:
         kvq::load_into(*f.caches[i], kvq::span_reader(image));
         break;
       case flat_op::load: {
@@ -246,6 +254,12 @@ void bm_flat(benchmark::State& state, std::string const& codec, flat_op op) {
       case flat_op::memcpy:
         std::memcpy(out, image.data(), bytes);
         break;
+      case flat_op::memcpy_new: {
+        std::unique_ptr<std::byte[]> const fresh(new std::byte[bytes]);
+        std::memcpy(fresh.get(), image.data(), bytes);
+        benchmark::DoNotOptimize(fresh.get());
+        break;
+      }
     }
     benchmark::DoNotOptimize(out);
     benchmark::ClobberMemory();
@@ -281,8 +295,9 @@ void register_codec(std::string const& name) {
     char const* op;
     flat_op which;
   };
-  constexpr flat_row flat_rows[] = {
-      {"save", flat_op::save}, {"load_into", flat_op::load_into}, {"load", flat_op::load}, {"memcpy", flat_op::memcpy}};
+  constexpr flat_row flat_rows[] = {{"save", flat_op::save},       {"load_into", flat_op::load_into},
+                                    {"replace", flat_op::replace}, {"load", flat_op::load},
+                                    {"memcpy", flat_op::memcpy},   {"memcpy_new", flat_op::memcpy_new}};
   for (auto const& r : flat_rows) {
     flat_op const which = r.which;
     benchmark::RegisterBenchmark(("persist/" + name + "/" + r.op).c_str(),

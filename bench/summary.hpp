@@ -238,7 +238,7 @@ struct attention_row {
 };
 
 /// Operations of the persist suite (persist/<codec>/<op>), in table order; memcpy is their reference.
-inline std::vector<std::string> const persist_ops = {"save", "load_into", "load", "export", "import"};
+inline std::vector<std::string> const persist_ops = {"save", "load_into", "replace", "load", "export", "import"};
 
 /// The persist operations held to the target of ≥ 80 % of memcpy.
 inline std::vector<std::string> const persist_target_ops = {"save", "load_into", "load"};

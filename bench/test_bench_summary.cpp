@@ -265,7 +265,8 @@ TEST_CASE("save / load rows: % of memcpy over the same bytes, medians, targets, 
   REQUIRE(doc["persist"].size() == 2);
   auto const& row = doc["persist"][0];
   REQUIRE(keys_of(row) == std::set<std::string>{"codec", "image_bytes", "save_pct_memcpy", "load_into_pct_memcpy",
-                                                "load_pct_memcpy", "export_pct_memcpy", "import_pct_memcpy"});
+                                                "replace_pct_memcpy", "load_pct_memcpy", "export_pct_memcpy",
+                                                "import_pct_memcpy"});
   REQUIRE(row["codec"] == "q4_0");
   REQUIRE_THAT(row["load_pct_memcpy"].get<double>(), WithinRel(25.0, 1e-3));
   REQUIRE(doc["persist"][1]["import_pct_memcpy"].is_null());

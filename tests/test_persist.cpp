@@ -473,6 +473,20 @@ TEST_CASE("persist: the loader rejects every truncation and every flipped byte, 
     REQUIRE_THROWS_AS(kvq::load<kvq::QuantizedKVCache<choice>>(kvq::span_reader(bad)), kvq::format_error);
   }
   REQUIRE(saved(dst) == before);
+  // An empty destination checks sections while it copies them: a damaged one leaves it empty.
+  auto empty = make_flat<choice>(128);
+  bytes const nothing = saved(empty);
+  for (std::size_t i = kvq::detail::saved_header_bytes; i < image.size(); i += 7) {
+    bytes bad = image;
+    bad[i] ^= std::byte{0x40};
+    INFO("byte " << i);
+    REQUIRE_THROWS_AS(kvq::load_into(empty, kvq::span_reader(bad)), kvq::format_error);
+    REQUIRE(empty.size(0) == 0);
+    REQUIRE(empty.size(1) == 0);
+  }
+  REQUIRE(saved(empty) == nothing);
+  kvq::load_into(empty, kvq::span_reader(image));
+  REQUIRE(saved(empty) == image);
   kvq::load_into(dst, kvq::span_reader(image));
   REQUIRE(saved(dst) == image);
 }

@@ -255,18 +255,33 @@ struct flat_storage {
   }
 };
 
-/// Copies a validated image starting at token 0 into flat cache core `core` and takes its states
-/// (`verify`: checking the sections' checksums as it copies; see copy_saved_image).
+/// Copies an image starting at token 0, validated but for its section checksums, into flat
+/// cache core `core` and takes its states; on any problem nothing live changed. A layer holding
+/// no tokens has no live storage, so its section is checked while it is copied (one pass over
+/// the image, as memcpy); the other sections are checked before anything is copied.
 template <class Core>
-void load_validated(Core& core, saved_image const& img, saved_geometry const& g, bool verify = false) {
+void load_validated(Core& core, saved_image const& img, saved_geometry const& g) {
   check<format_error>(img.header.first == 0, [&] {
     return "load: the data starts at token " + std::to_string(img.header.first) +
            "; a flat cache loads data from token 0 (import it into the paged sequence it continues)";
   });
+  using device_type = std::remove_cvref_t<decltype(core.device())>;
+  std::size_t const layers = img.states.size();
+  vector<saved_copy> first(layers, saved_copy::skip), then(layers, saved_copy::skip);
+  for (std::size_t l = 0; l < layers; ++l) {
+    // GPU memory is copied in one piece per array (each copy waits for the device), so checked first.
+    if (device_type::host_memory && core.state(static_cast<int>(l)).length == 0) {
+      first[l] = saved_copy::verify;
+    } else {
+      check_saved_section(img, l);
+      then[l] = saved_copy::copy;
+    }
+  }
   flat_storage<Core> const at{core};
-  copy_saved_image(
-      core, img, g, at, [&](int l, bool keys, int h) { return at.residual(l, keys, h); }, verify);
-  for (std::size_t l = 0; l < img.states.size(); ++l) core.restore_state(static_cast<int>(l), img.states[l]);
+  auto const rows = [&](int l, bool keys, int h) { return at.residual(l, keys, h); };
+  copy_saved_image(core, img, g, at, rows, first);
+  copy_saved_image(core, img, g, at, rows, then);
+  for (std::size_t l = 0; l < layers; ++l) core.restore_state(static_cast<int>(l), img.states[l]);
 }
 
 /// The unit and residual locators of a sequence (in slot `slot`, layer states `states`) of a paged core.
@@ -332,10 +347,11 @@ void save(Cache const& cache, W&& w) {
 }
 
 /// Replaces the contents of `cache` with a saved cache (or an export from token 0) read from `r`.
-/// Everything is read and validated first; on any problem the cache is unchanged and
-/// format_error says what (bad magic or version, codecs or shape that differ from the cache's,
-/// naming both, truncation, checksums, token counts beyond the cache's capacity, residual state
-/// out of range). Raises device_error when a device copy fails, and what `r` raises.
+/// Everything is read and validated before any token changes (the sections of layers that hold
+/// no tokens are checked as they are copied into storage that holds nothing); on any problem
+/// the cache's contents are unchanged and format_error says what (bad magic or version, codecs or shape that differ
+/// from the cache's, naming both, truncation, checksums, token counts beyond the cache's capacity, residual state out
+/// of range). Raises device_error when a device copy fails, and what `r` raises.
 template <class Cache, byte_reader R>
 void load_into(Cache& cache, R&& r) {
   auto& core = cache.core();
@@ -344,7 +360,7 @@ void load_into(Cache& cache, R&& r) {
   detail::vector<std::byte> buffer;
   std::span<std::byte const> const bytes = detail::read_saved_bytes(r, buffer);
   detail::saved_expect const e = detail::flat_expect(core);
-  detail::saved_image const img = detail::parse_saved_image(bytes, e);
+  detail::saved_image const img = detail::parse_saved_image(bytes, e, /*check_sections=*/false);
   detail::load_validated(core, img, e.geo);
 }
 
@@ -370,7 +386,6 @@ auto load(R&& r, load_options const& opt = {}) -> Cache {
       opt.capacity > 0                      ? opt.capacity
       : h.kind == detail::saved_kind::cache ? static_cast<std::int64_t>(h.capacity)
                                             : limit);
-  // The new cache is nobody's until this returns: its sections are checked while they are copied.
   detail::saved_image const img = detail::parse_saved_image(bytes, e, /*check_sections=*/false);
   std::int64_t capacity = opt.capacity > 0 ? opt.capacity : static_cast<std::int64_t>(h.capacity);
   if (h.kind == detail::saved_kind::sequence && opt.capacity <= 0) {
@@ -387,7 +402,7 @@ auto load(R&& r, load_options const& opt = {}) -> Cache {
            " bytes, more than max_bytes = " + std::to_string(opt.max_bytes);
   });
   Cache cache(shape, o);
-  detail::load_validated(cache.core(), img, e.geo, /*verify=*/true);
+  detail::load_validated(cache.core(), img, e.geo);
   return cache;
 }
 
@@ -480,7 +495,9 @@ auto import_saved(Core& core, sequence_id seq, R& r) -> sequence_id {
   core.check_adopt(seq, first, img.states);
   sequence_id const id = core.adopt(seq, first, img.states);
   paged_storage<Core> const at{core, core.slot_index_of(id), &core.page_table(id)};
-  copy_saved_image(core, img, e.geo, at, [&](int l, bool keys, int hd) { return at.residual(l, keys, hd); });
+  vector<saved_copy> const all(img.states.size(), saved_copy::copy);
+  copy_saved_image(
+      core, img, e.geo, at, [&](int l, bool keys, int hd) { return at.residual(l, keys, hd); }, all);
   return id;
 }
 

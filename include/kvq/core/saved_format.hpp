@@ -495,7 +495,8 @@ inline auto parse_saved_image(std::span<std::byte const> b, saved_expect const& 
     st.value_quantized = static_cast<std::int64_t>(get_u64(rec + 16));
     st.window_tokens = static_cast<std::int64_t>(get_u64(rec + 24));
     st.window_first = static_cast<std::int64_t>(get_u64(rec + 32));
-    if (check_sections && get_u32(entry + 16) != crc32c::of(b.subspan(off, bytes)))
+    std::uint32_t const crc = get_u32(entry + 16);
+    if (check_sections && crc != crc32c::of(b.subspan(off, bytes)))
       saved_fail("section checksum mismatch in layer " + std::to_string(l));
     for (std::size_t i = 40; i < saved_record_bytes; ++i)
       if (rec[i] != std::byte{0}) saved_fail("non-zero record padding in layer " + std::to_string(l));
@@ -523,7 +524,7 @@ inline auto parse_saved_image(std::span<std::byte const> b, saved_expect const& 
       }
     }
     img.states[l] = st;
-    img.crcs[l] = get_u32(entry + 16);
+    img.crcs[l] = crc;
     img.offsets[l] = static_cast<std::size_t>(off);
     img.sections[l] = s;
     at += bytes;
@@ -675,14 +676,29 @@ void write_saved_image(Core& core, saved_header h, saved_geometry const& g, std:
   write(std::span<std::byte const>(dir.data(), dir.size()));
 }
 
-/// Copies the arrays of a validated image into the storage of `core`, located by `units` and
-/// `residual` as for write_saved_image. With `verify` (an image parsed without its section
-/// checksums), each section's checksum is computed while it is copied, saved_chunk bytes at a time,
-/// and a mismatch raises format_error: only for a destination nobody sees before this returns.
+/// Raises format_error unless the section of `layer` of an image parsed without its section
+/// checksums has the directory's checksum.
+inline void check_saved_section(saved_image const& img, std::size_t layer) {
+  if (crc32c::of(img.bytes.subspan(img.offsets[layer], img.sections[layer].bytes)) != img.crcs[layer])
+    saved_fail("section checksum mismatch in layer " + std::to_string(layer));
+}
+
+/// How copy_saved_image treats one layer's section.
+enum class saved_copy : unsigned char {
+  skip,    ///< not copied
+  copy,    ///< copied (its checksum was checked before)
+  verify,  ///< copied while its checksum is computed, saved_chunk bytes at a time; a mismatch raises
+           ///< format_error, so only for storage that holds nothing live
+};
+
+/// Copies the arrays of the sections of a validated image into the storage of `core`, located by
+/// `units` and `residual` as for write_saved_image, each layer as `modes[layer]` says.
 template <class Core, class Units, class Residual>
 void copy_saved_image(Core& core, saved_image const& img, saved_geometry const& g, Units&& units, Residual&& residual,
-                      bool verify = false) {
+                      std::span<saved_copy const> modes) {
   for (std::size_t l = 0; l < img.states.size(); ++l) {
+    if (modes[l] == saved_copy::skip) continue;
+    bool const verify = modes[l] == saved_copy::verify;
     saved_section const& s = img.sections[l];
     std::byte const* base = img.bytes.data() + img.offsets[l];
     crc32c crc;
