@@ -17,13 +17,16 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu/attention_kernels.hpp"
@@ -47,13 +50,29 @@ enum class probability_precision {
   f16,  ///< probabilities rounded to f16 before multiplying V (sums stay f32)
 };
 
-/// Options of decode attention.
+/// Which tokens each query token of a multi-token attention (kvq::attention) attends.
+enum class mask_kind {
+  causal,    ///< query token i, at position first_pos + i, attends tokens [0, first_pos + i]
+  none,      ///< every query token attends every token of the layer
+  additive,  ///< every token, with mask_data's floats (n_q, mask_stride) added to the logits (−Inf excludes)
+  boolean,   ///< the tokens mask_data's bytes (n_q, mask_stride) allow: nonzero attends, 0 excludes
+};
+
+/// Options of decode and multi-token attention.
 struct attention_options {
   float scale = 0.0f;       ///< softmax scale; 0 means 1/sqrt(head_dim)
-  std::int64_t window = 0;  ///< > 0: attend only to the last `window` tokens of the layer
+  std::int64_t window = 0;  ///< > 0: a query at position p attends only tokens (p − window, p]; decode: the last `window`
   float softcap = 0.0f;     ///< > 0: logit = softcap · tanh(logit / softcap), after scaling
   query_precision query = query_precision::f32;
   probability_precision probabilities = probability_precision::f32;
+  /// Attention sinks: nullptr, or one logit per query head (q_heads floats, finite or −Inf) that
+  /// joins every softmax denominator of that head without a value (gpt-oss style).
+  float const* sinks = nullptr;
+  // Multi-token attention only (kvq::attention; decode attention is its n_q = 1 case):
+  mask_kind mask = mask_kind::causal;
+  std::int64_t first_pos = -1;      ///< position of query token 0; −1: size(layer) − n_q (the chunk just appended)
+  void const* mask_data = nullptr;  ///< additive: float, boolean: std::uint8_t; row i at element i · mask_stride, column j = token j
+  std::int64_t mask_stride = 0;     ///< elements between mask rows; 0: size(layer)
 };
 
 /// Tokens decoded per tile by the reference kernel.
@@ -212,6 +231,7 @@ struct reference_attention {
           if (call.softcap > 0.0f) s = call.softcap * std::tanh(s / call.softcap);
           logits[i] = s;
         }
+        if (call.masked()) call.apply_masks(g, t0, logits, n);
         float& m = state.max[g];
         float& sum = state.sum[g];
         float* o = state.out + static_cast<std::size_t>(g) * hd;
@@ -406,23 +426,60 @@ inline void combine(attention_partial& a, attention_partial const& b) {
   }
 }
 
+namespace detail {
+
+/// Writes the normalised output (d floats) of one head's online-softmax state (o, m, sum) to y,
+/// with `sink` (−Inf: none) joining the denominator; a head that attended nothing outputs zeros.
+inline void finalize_head(float const* o, float m, float sum, float sink, int d, float* y) noexcept {
+  if (sum == 0.0f) {
+    std::fill_n(y, d, 0.0f);
+    return;
+  }
+  float corr = 1.0f;
+  if (sink != -std::numeric_limits<float>::infinity()) {
+    float const mm = is_nan_f32(m) ? m : std::max(m, sink);
+    corr = std::exp(m - mm);
+    sum = madd_f32(sum, corr, std::exp(sink - mm));
+  }
+  float const inv = 1.0f / sum;
+  for (int c = 0; c < d; ++c) y[c] = corr == 1.0f ? o[c] * inv : mul_rn(o[c], corr) * inv;
+}
+
+/// The sink logit of query head h under `sinks` (nullptr: −Inf, no sink).
+inline auto sink_of(float const* sinks, std::size_t h) noexcept -> float {
+  return sinks == nullptr ? -std::numeric_limits<float>::infinity() : sinks[h];
+}
+
+/// Raises invalid_argument_error unless every sink of the q_heads heads is finite or −Inf.
+inline void check_sinks(float const* sinks, int q_heads) {
+  if (sinks == nullptr) return;
+  for (int h = 0; h < q_heads; ++h) {
+    float const x = sinks[h];
+    check<invalid_argument_error>(!is_nan_f32(x) && x != std::numeric_limits<float>::infinity(), [&] {
+      return "attention: the sink of query head " + std::to_string(h) + " is NaN or +Inf";
+    });
+  }
+}
+
+}  // namespace detail
+
 /// Writes the normalised output (q_heads, head_dim) of a partial state into `out`, which must hold
-/// q_heads × head_dim floats; heads that attended nothing output zeros. Raises shape_error for a
-/// null `out` (unless the state is empty) or a state whose vectors do not match its shape.
-inline void finalize(attention_partial const& p, float* out) {
+/// q_heads × head_dim floats; heads that attended nothing output zeros. `sinks`: nullptr or one
+/// logit per head joining its softmax denominator (attention_options::sinks). Raises shape_error
+/// for a null `out` (unless the state is empty) or a state whose vectors do not match its shape,
+/// invalid_argument_error for a NaN or +Inf sink.
+inline void finalize(attention_partial const& p, float* out, float const* sinks = nullptr) {
   detail::check<shape_error>(detail::partial_consistent(p), [] {
     return std::string("finalize: the partial state's vectors do not match its shape");
   });
   detail::check<shape_error>(out != nullptr || p.out.empty(),
                              [] { return std::string("finalize: the output is null"); });
+  detail::check_sinks(sinks, p.q_heads);
+  std::size_t const hd = static_cast<std::size_t>(p.head_dim);
   for (int h = 0; h < p.q_heads; ++h) {
     std::size_t const hh = static_cast<std::size_t>(h);
-    float const s = p.sum[hh];
-    float const inv = s == 0.0f ? 0.0f : 1.0f / s;
-    for (int c = 0; c < p.head_dim; ++c) {
-      std::size_t const i = hh * static_cast<std::size_t>(p.head_dim) + static_cast<std::size_t>(c);
-      out[i] = s == 0.0f ? 0.0f : p.out[i] * inv;
-    }
+    detail::finalize_head(p.out.data() + hh * hd, p.max[hh], p.sum[hh], detail::sink_of(sinks, hh), p.head_dim,
+                          out + hh * hd);
   }
 }
 
@@ -436,7 +493,7 @@ void decode_attention(Cache const& cache, int layer, float const* q, int q_heads
   std::int64_t const len = cache.size(layer);
   detail::check<shape_error>(out != nullptr, [] { return std::string("attention: the output is null"); });
   auto const part = attend_range(cache, layer, q, q_heads, 0, len, opt);
-  finalize(part, out);
+  finalize(part, out, opt.sinks);
 }
 
 /// Decode attention split across `threads` std::threads (flash-decoding style), combined exactly.
@@ -483,7 +540,300 @@ void decode_attention_parallel(Cache const& cache, int layer, float const* q, in
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
   for (int p = 1; p < parts; ++p) combine(partials[0], partials[static_cast<std::size_t>(p)]);
-  finalize(partials[0], out);
+  finalize(partials[0], out, opt.sinks);
+}
+
+
+namespace detail {
+
+/// One chunk of query tokens of a multi-token attention, as the driver sees it: n_q tokens at
+/// positions [first_pos, first_pos + n_q) of a sequence of `len` tokens (entry `entry` of the
+/// caller's storage), their query and output rows from row `row` of q / out (rows of q_heads heads).
+struct query_chunk_plan {
+  int entry = 0;
+  std::int64_t len = 0;
+  std::int64_t first_pos = 0;
+  std::int64_t n_q = 0;
+  std::int64_t row = 0;
+  void const* mask = nullptr;  ///< the chunk's custom mask rows (attention_options::mask_data layout)
+  std::int64_t mask_stride = 0;
+};
+
+/// Tokens [begin, end) that the query at position `pos` attends in a sequence of len tokens, before
+/// custom masks.
+inline auto query_token_range(attention_options const& opt, std::int64_t pos, std::int64_t len)
+    -> std::pair<std::int64_t, std::int64_t> {
+  std::int64_t const end = opt.mask == mask_kind::causal ? std::min(len, pos + 1) : len;
+  std::int64_t const begin = opt.window > 0 ? std::clamp<std::int64_t>(pos - opt.window + 1, 0, len) : 0;
+  return {begin, std::max(begin, end)};
+}
+
+/// Query tokens per block of a multi-token attention with `group` heads per kv head: a block's
+/// rows (tokens × heads) are attended together, each key and value tile decoded once for them.
+inline auto query_block_tokens(int group) -> std::int64_t { return std::max(1, 64 / group); }
+
+/// The multi-token attention driver of the CPU caches (flat and paged). Cuts every chunk into
+/// blocks of query tokens, each (block, kv_head) into runs of `granularity`-aligned tokens when
+/// threads > 1, runs them on `threads` threads and merges the runs in token order. For every
+/// item, `attend(entry, kv_head, call, q, qb, begin, end, state, scratch)` must attend the rows
+/// of `call` to tokens [begin, end) of the entry's kv_head with the kernel (setting
+/// call.token_offset for sources that start past token 0).
+template <class KeyCodec, class Attend>
+void run_query_chunks(std::span<query_chunk_plan const> chunks, float const* q, int q_heads, int kv_heads, int d,
+                      float* out, attention_options const& opt, int threads, std::int64_t granularity,
+                      Attend&& attend) {
+  struct block {
+    std::size_t chunk;
+    std::int64_t i0, i1;  // query tokens of the chunk
+    int head;             // kv head
+    std::int64_t begin, end;
+  };
+  struct item {
+    std::size_t block;
+    std::int64_t begin, end;
+  };
+  int const group = q_heads / kv_heads;
+  std::size_t const hd = static_cast<std::size_t>(d);
+  std::int64_t const qbt = query_block_tokens(group);
+  detail::vector<block> blocks;
+  std::int64_t total = 0;
+  for (std::size_t c = 0; c < chunks.size(); ++c) {
+    query_chunk_plan const& ch = chunks[c];
+    for (std::int64_t i0 = 0; i0 < ch.n_q; i0 += qbt) {
+      std::int64_t const i1 = std::min(ch.n_q, i0 + qbt);
+      std::int64_t b = std::numeric_limits<std::int64_t>::max(), e = 0;
+      for (std::int64_t i = i0; i < i1; ++i) {
+        auto const [lo, hi] = query_token_range(opt, ch.first_pos + i, ch.len);
+        if (lo < hi) {
+          b = std::min(b, lo);
+          e = std::max(e, hi);
+        }
+      }
+      if (e == 0) b = 0;
+      for (int h = 0; h < kv_heads; ++h) blocks.push_back({c, i0, i1, h, b, e});
+      total += (e - b) * kv_heads;
+    }
+  }
+  std::int64_t split = std::numeric_limits<std::int64_t>::max();
+  if (threads > 1 && static_cast<std::int64_t>(blocks.size()) < 4 * static_cast<std::int64_t>(threads)) {
+    std::int64_t const per = total / (4 * static_cast<std::int64_t>(threads));
+    split = std::max<std::int64_t>(granularity, (std::max<std::int64_t>(per, 256) + granularity - 1) / granularity *
+                                                    granularity);
+  }
+  detail::vector<item> items;
+  detail::vector<std::size_t> first_item(blocks.size() + 1);
+  for (std::size_t k = 0; k < blocks.size(); ++k) {
+    first_item[k] = items.size();
+    block const& bl = blocks[k];
+    std::int64_t t = bl.begin;
+    do {
+      std::int64_t const e =
+          split == std::numeric_limits<std::int64_t>::max() ? bl.end : std::min(bl.end, (t / split + 1) * split);
+      items.push_back({k, t, e});
+      t = e;
+    } while (t < bl.end);
+  }
+  first_item.back() = items.size();
+
+  // Per item: the rows' state, out (rows, d), max (rows), sum (rows), rows = block tokens × group.
+  std::size_t const max_rows = static_cast<std::size_t>(qbt) * static_cast<std::size_t>(group);
+  std::size_t const stride = max_rows * (hd + 2);
+  detail::vector<float> states(items.size() * stride);
+  auto rows_of = [&](block const& bl) { return static_cast<int>(bl.i1 - bl.i0) * group; };
+
+  struct worker_memory {
+    cpu_kernels::attention_scratch scratch;
+    detail::vector<float> query;  // (rows, d) gathered
+    detail::vector<std::int64_t> row_begin, row_end;
+    detail::vector<float const*> row_bias;
+    detail::vector<std::uint8_t const*> row_allow;
+  };
+  auto run = [&](std::size_t i, worker_memory& w) {
+    item const& it = items[i];
+    block const& bl = blocks[it.block];
+    query_chunk_plan const& ch = chunks[bl.chunk];
+    int const rows = rows_of(bl);
+    std::size_t const nr = static_cast<std::size_t>(rows);
+    float* o = states.data() + i * stride;
+    float* m = o + nr * hd;
+    float* l = m + nr;
+    std::fill(o, o + nr * hd, 0.0f);
+    std::fill(m, m + nr, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + nr, 0.0f);
+    if (it.begin >= it.end) return;
+    // Rows (token i, head g) of the block, token-major.
+    w.query.resize(nr * hd);
+    w.row_begin.resize(nr);
+    w.row_end.resize(nr);
+    w.row_bias.assign(nr, nullptr);
+    w.row_allow.assign(nr, nullptr);
+    bool ragged = false;
+    for (std::int64_t i = bl.i0; i < bl.i1; ++i) {
+      auto const [lo, hi] = query_token_range(opt, ch.first_pos + i, ch.len);
+      ragged = ragged || lo != bl.begin || hi != bl.end;
+      std::size_t const row_q = static_cast<std::size_t>(ch.row + i) * static_cast<std::size_t>(q_heads) +
+                                static_cast<std::size_t>(bl.head) * static_cast<std::size_t>(group);
+      auto const* mrow = static_cast<std::uint8_t const*>(ch.mask);
+      if (mrow != nullptr)
+        mrow += static_cast<std::size_t>(i) * static_cast<std::size_t>(ch.mask_stride) *
+                (opt.mask == mask_kind::additive ? sizeof(float) : 1);
+      for (int g = 0; g < group; ++g) {
+        std::size_t const r = static_cast<std::size_t>(i - bl.i0) * static_cast<std::size_t>(group) +
+                              static_cast<std::size_t>(g);
+        std::copy_n(q + (row_q + static_cast<std::size_t>(g)) * hd, hd, w.query.data() + r * hd);
+        w.row_begin[r] = lo;
+        w.row_end[r] = hi;
+        if (opt.mask == mask_kind::additive) w.row_bias[r] = reinterpret_cast<float const*>(mrow);
+        if (opt.mask == mask_kind::boolean) w.row_allow[r] = mrow;
+      }
+    }
+    prepared_query const pq = prepare_query<KeyCodec>(w.query.data(), rows, d, opt);
+    cpu_kernels::attention_call call = attention_call_of(d, rows, opt);
+    if (ragged) {
+      call.row_begin = w.row_begin.data();
+      call.row_end = w.row_end.data();
+    }
+    if (opt.mask == mask_kind::additive) call.row_bias = w.row_bias.data();
+    if (opt.mask == mask_kind::boolean) call.row_allow = w.row_allow.data();
+    w.scratch.reserve(d, rows);
+    cpu_kernels::attention_state const state{o, m, l};
+    attend(ch.entry, bl.head, call, pq.query(0), pq.blocks(0), it.begin, it.end, state, w.scratch);
+  };
+
+  int const workers = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(threads), items.size()));
+  if (workers <= 1) {
+    worker_memory w;
+    for (std::size_t i = 0; i < items.size(); ++i) run(i, w);
+  } else {
+    std::atomic<std::size_t> next{0};
+    detail::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
+    auto work = [&](int wi) {
+      try {
+        worker_memory w;
+        for (std::size_t i = next++; i < items.size(); i = next++) run(i, w);
+      } catch (...) {
+        errors[static_cast<std::size_t>(wi)] = std::current_exception();
+      }
+    };
+    detail::vector<std::thread> pool;
+    pool.reserve(static_cast<std::size_t>(workers - 1));
+    try {
+      for (int wi = 1; wi < workers; ++wi) pool.emplace_back(work, wi);
+    } catch (...) {
+      next = items.size();  // no more work for the running threads
+      for (auto& t : pool) t.join();
+      throw;
+    }
+    work(0);
+    for (auto& t : pool) t.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  }
+
+  // Merge the runs of every block in token order (as combine), then normalise its rows.
+  for (std::size_t k = 0; k < blocks.size(); ++k) {
+    block const& bl = blocks[k];
+    query_chunk_plan const& ch = chunks[bl.chunk];
+    int const rows = rows_of(bl);
+    std::size_t const nr = static_cast<std::size_t>(rows);
+    attention_partial acc = attention_partial::empty(rows, d);
+    attention_partial part = attention_partial::empty(rows, d);
+    for (std::size_t i = first_item[k]; i < first_item[k + 1]; ++i) {
+      float const* o = states.data() + i * stride;
+      float const* m = o + nr * hd;
+      float const* l = m + nr;
+      attention_partial& into = i == first_item[k] ? acc : part;
+      std::copy(o, o + nr * hd, into.out.begin());
+      std::copy(m, m + nr, into.max.begin());
+      std::copy(l, l + nr, into.sum.begin());
+      if (i != first_item[k]) combine(acc, part);
+    }
+    for (int r = 0; r < rows; ++r) {
+      std::int64_t const i = bl.i0 + r / group;
+      std::size_t const h =
+          static_cast<std::size_t>(bl.head) * static_cast<std::size_t>(group) + static_cast<std::size_t>(r % group);
+      std::size_t const rr = static_cast<std::size_t>(r);
+      finalize_head(acc.out.data() + rr * hd, acc.max[rr], acc.sum[rr], sink_of(opt.sinks, h), d,
+                    out + (static_cast<std::size_t>(ch.row + i) * static_cast<std::size_t>(q_heads) + h) * hd);
+    }
+  }
+}
+
+/// Checks the multi-token options of an attention of n_q query tokens from position `first_pos`
+/// over `len` tokens (first_pos already resolved from −1).
+inline void check_query_chunk(attention_options const& opt, std::int64_t n_q, std::int64_t first_pos, std::int64_t len,
+                              void const* mask, std::int64_t mask_stride) {
+  check<invalid_argument_error>(n_q >= 0, [&] { return "attention: n_q = " + std::to_string(n_q) + " is negative"; });
+  check<index_error>(first_pos >= 0, [&] {
+    return "attention: the first query position " + std::to_string(first_pos) + " is negative (" +
+           std::to_string(n_q) + " query tokens over " + std::to_string(len) + " tokens)";
+  });
+  check<index_error>(opt.mask != mask_kind::causal || first_pos + n_q <= len, [&] {
+    return "attention: causal query positions [" + std::to_string(first_pos) + ", " + std::to_string(first_pos + n_q) +
+           ") reach past the layer's " + std::to_string(len) + " tokens (append the chunk's keys and values first)";
+  });
+  bool const custom = opt.mask == mask_kind::additive || opt.mask == mask_kind::boolean;
+  check<invalid_argument_error>(!custom || n_q == 0 || (mask != nullptr && mask_stride >= len), [&] {
+    return std::string("attention: a custom mask needs mask_data with rows of at least the layer's ") +
+           std::to_string(len) + " tokens (mask_stride " + std::to_string(mask_stride) + ")";
+  });
+}
+
+/// kvq::attention with the kernel `Kernel` (reference_attention or an ISA's attention_kernel).
+template <class Kernel, class Cache>
+void attention_with(Cache const& cache, int layer, float const* q, std::int64_t n_q, int q_heads, float* out,
+                    attention_options const& opt, int threads) {
+  using key_codec = typename Cache::key_codec;
+  using value_codec = typename Cache::value_codec;
+  auto const& shape = cache.shape();
+  std::int64_t const len = cache.size(layer);
+  int const d = shape.head_dim;
+  int const kv = shape.kv_heads;
+  check<shape_error>(q_heads > 0 && q_heads % kv == 0, [&] {
+    return "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
+           std::to_string(kv) + " kv heads";
+  });
+  check<shape_error>(n_q == 0 || (q != nullptr && out != nullptr),
+                     [] { return std::string("attention: the query or the output is null"); });
+  check<invalid_argument_error>(threads >= 1,
+                                [&] { return "attention: threads = " + std::to_string(threads) + " must be >= 1"; });
+  check_attention_options(opt);
+  check_sinks(opt.sinks, q_heads);
+  std::int64_t const first = opt.first_pos < 0 ? len - n_q : opt.first_pos;
+  std::int64_t const stride = opt.mask_stride > 0 ? opt.mask_stride : len;
+  check_query_chunk(opt, n_q, first, len, opt.mask_data, stride);
+  if (n_q == 0) return;
+  query_chunk_plan const chunk{0, len, first, n_q, 0, opt.mask_data, stride};
+  run_query_chunks<key_codec>(
+      std::span<query_chunk_plan const>(&chunk, 1), q, q_heads, kv, d, out, opt, threads, attention_tile,
+      [&](int, int head, cpu_kernels::attention_call const& call, float const* qr, block_q8_0 const* qb,
+          std::int64_t begin, std::int64_t end, cpu_kernels::attention_state const& state,
+          cpu_kernels::attention_scratch& scratch) {
+        Kernel::template attend<key_codec, value_codec>(
+            token_source_of(cache.key_storage(layer, head)), cache.get_options().key,
+            token_source_of(cache.value_storage(layer, head)), cache.get_options().value, call, qr, qb, begin, end,
+            state, scratch);
+      });
+}
+
+}  // namespace detail
+
+/// Attention of n_q query tokens over `layer` (chunked prefill, speculative verification, a
+/// prefix-cache suffix): q and out are (n_q, q_heads, head_dim) floats, query token i at position
+/// opt.first_pos + i (default: the last n_q tokens of the layer, i.e. the chunk just appended).
+/// opt.mask says which tokens each query attends (causal by default; none; or a caller's additive
+/// or boolean mask, (n_q, mask_stride) elements with token j in column j), narrowed by opt.window
+/// around each query's position; opt.sinks add a logit per query head to every denominator. The
+/// cache is read tile by tile, each tile decoded once for a block of query tokens and every head
+/// of its kv group; options, precision and NaN/Inf semantics as decode_attention, of which
+/// n_q = 1 is exactly the result. `threads` >= 1 threads share the (query block, kv head, token
+/// run) items. Raises index_error for a bad layer, a negative first position or causal positions
+/// past the layer's tokens; shape_error for a null q / out or q_heads not a positive multiple of
+/// kv_heads; invalid_argument_error for bad options, sinks, masks, n_q < 0 or threads < 1.
+template <class Cache>
+void attention(Cache const& cache, int layer, float const* q, std::int64_t n_q, int q_heads, float* out,
+               attention_options const& opt = {}, int threads = 1) {
+  detail::attention_with<detail::default_attention>(cache, layer, q, n_q, q_heads, out, opt, threads);
 }
 
 KVQ_NAMESPACE_END

@@ -56,10 +56,57 @@ struct token_source {
 /// One attention call's inputs that do not depend on the kv head.
 struct attention_call {
   int head_dim = 0;
-  int group = 1;         ///< query heads per kv head
+  int group = 1;         ///< query rows attended together (query heads per kv head, times query tokens)
   float scale = 1.0f;    ///< logit = scale * q.k (then softcap)
   float softcap = 0.0f;  ///< > 0: logit = softcap * tanh(logit / softcap)
   bool f16_probabilities = false;
+  // Per-row masks of a multi-token attention, all optional (nullptr: none). Token indices are
+  // absolute: the source's token t is token `token_offset + t` here. After scale and softcap,
+  // row r's logit of token j becomes -Inf unless row_begin[r] <= j < row_end[r] (when given) and
+  // row_allow[r][j] != 0 (when given), and row_bias[r][j] is added to it (when given).
+  std::int64_t token_offset = 0;
+  std::int64_t const* row_begin = nullptr;
+  std::int64_t const* row_end = nullptr;
+  float const* const* row_bias = nullptr;
+  std::uint8_t const* const* row_allow = nullptr;
+
+  /// True when some row mask is set.
+  auto masked() const noexcept -> bool {
+    return row_begin != nullptr || row_end != nullptr || row_bias != nullptr || row_allow != nullptr;
+  }
+
+  /// Applies row r's masks to the n logits s of source tokens [t0, t0 + n) (already scaled and
+  /// softcapped); returns false when the row attends none of them.
+  auto apply_masks(int r, std::int64_t t0, float* s, int n) const noexcept -> bool {
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    std::int64_t const j0 = token_offset + t0;
+    std::int64_t lo = 0, hi = n;
+    if (row_begin != nullptr) lo = std::clamp<std::int64_t>(row_begin[r] - j0, 0, n);
+    if (row_end != nullptr) hi = std::clamp<std::int64_t>(row_end[r] - j0, 0, n);
+    if (hi <= lo) {
+      std::fill_n(s, n, neg_inf);
+      return false;
+    }
+    std::fill_n(s, lo, neg_inf);
+    std::fill_n(s + hi, n - hi, neg_inf);
+    if (row_allow != nullptr) {
+      std::uint8_t const* a = row_allow[r] + j0;
+      for (std::int64_t t = lo; t < hi; ++t)
+        if (a[t] == 0) s[t] = neg_inf;
+    }
+    if (row_bias != nullptr) {
+      float const* b = row_bias[r] + j0;
+      for (std::int64_t t = lo; t < hi; ++t) s[t] += b[t];
+    }
+    return true;
+  }
+
+  /// True when row r's masks leave every logit of source tokens [t0, t0 + n) as it is.
+  auto unmasked(int r, std::int64_t t0, int n) const noexcept -> bool {
+    std::int64_t const j0 = token_offset + t0;
+    return row_bias == nullptr && row_allow == nullptr && (row_begin == nullptr || row_begin[r] <= j0) &&
+           (row_end == nullptr || j0 + n <= row_end[r]);
+  }
 };
 
 /// Online-softmax state of the group's heads: out (group, head_dim), max (group), sum (group).
@@ -767,10 +814,11 @@ struct simd_attention {
 
   /// Scales (and softcaps) one head's n logits s in place, rescales its state to the new running
   /// max and writes the probabilities to p. Returns false, touching nothing else, when the logits
-  /// hold a NaN or an infinity (the per-token path handles those); p is all 0 when every logit
-  /// is -Inf.
-  static bool softmax_tile(float* o, float& m, float& sum, attention_call const& call, float* s, int n,
-                           float* p) noexcept {
+  /// hold a NaN or an infinity, or when `row` >= 0 and that row's masks change a logit of tokens
+  /// [t_first, t_first + n) (then s holds the masked logits; the per-token path handles all
+  /// those); p is all 0 when every logit is -Inf.
+  static bool softmax_tile(float* o, float& m, float& sum, attention_call const& call, float* s, int n, float* p,
+                           int row, std::int64_t t_first) noexcept {
     constexpr float neg_inf = -std::numeric_limits<float>::infinity();
     constexpr float big = std::numeric_limits<float>::max();
     int const d = call.head_dim;
@@ -796,6 +844,10 @@ struct simd_attention {
       s[t] = x;
       finite = finite && std::fabs(x) <= big;
       tmax = std::max(tmax, x);
+    }
+    if (row >= 0 && !call.unmasked(row, t_first, n)) {
+      call.apply_masks(row, t_first, s, n);
+      return false;  // masked logits are -Inf: the per-token path skips them as the reference does
     }
     if (!finite) return false;
     if (tmax > m) {
@@ -869,7 +921,8 @@ struct simd_attention {
       for (int h = 0; h < group; ++h) {
         float* const o = state.out + static_cast<std::ptrdiff_t>(h) * d;
         bool const ok =
-            softmax_tile(o, state.max[h], state.sum[h], call, s.logits.data() + h * T, n, s.probs.data() + h * T);
+            softmax_tile(o, state.max[h], state.sum[h], call, s.logits.data() + h * T, n, s.probs.data() + h * T,
+                         call.masked() ? h : -1, tb);
         s.special[static_cast<std::size_t>(h)] = !ok;
         if (!ok) {
           any_special = true;
