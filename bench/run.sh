@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Runs kvq's CPU benchmarks and prints the summary: encode/decode GB/s as % of memcpy, for decode
 # attention the time, this machine's roofline (measured in the same run), % of roofline and speed-up
-# over the f16 cache, and save/load GB/s as % of memcpy, with the target checks. Rewrites
-# bench/README.md with the results.
+# over the f16 cache, for multi-token attention GB/s as % of memcpy, GFLOP/s as % of the f32 peak
+# and the time against f16 and n_q = 1, and save/load GB/s as % of memcpy, with the target checks.
+# Rewrites bench/README.md with the results.
 #
 # Usage: bash bench/run.sh [--json FILE] [--quick]
 #   --json FILE  also write the summary as JSON (schema in bench/README.md)
 #   --quick      a short check of the script: contexts up to 4k, one short repetition, a small save/load
 #                working set; README untouched
 # Build directory: $KVQ_BUILD_DIR, default build/bench (configured Release, KVQ_SIMD=native). The
-# benchmarks take about 6 minutes on 2 cores (target: under 10); building them comes on top.
+# benchmarks take about 9 minutes on 2 cores (target: under 10); building them comes on top.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
       shift
       ;;
     -h | --help)
-      sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+      sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
       exit 0
       ;;
     *)
@@ -50,8 +51,8 @@ if [ ! -f "$build_dir/CMakeCache.txt" ]; then
     -DKVQ_BUILD_BENCHMARKS=ON -DKVQ_BUILD_TESTS=OFF -DKVQ_BUILD_EXAMPLES=OFF -DKVQ_INSTALL=OFF >/dev/null
 fi
 build_start=$SECONDS
-cmake --build "$build_dir" --target kvq_bench_codecs kvq_bench_attention kvq_bench_persist kvq_bench_summary \
-  >/dev/null
+cmake --build "$build_dir" --target kvq_bench_codecs kvq_bench_attention kvq_bench_persist kvq_bench_multi_query \
+  kvq_bench_summary >/dev/null
 echo "run.sh: built in $((SECONDS - build_start)) s ($build_dir)"
 
 bin="$build_dir/bench"
@@ -63,11 +64,13 @@ common=(--benchmark_repetitions=3 --benchmark_report_aggregates_only=true)
 codecs_args=(--benchmark_min_time=0.1)
 attention_args=(--benchmark_min_time=0.2)
 persist_args=(--benchmark_min_time=0.2)
+multi_query_args=(--benchmark_min_time=0.1)  # cells of 16 GFLOP and more run one call per repetition
 if [ "$quick" -eq 1 ]; then
   common=(--benchmark_repetitions=1)
   codecs_args=(--benchmark_min_time=0.01)
   attention_args=(--benchmark_min_time=0.01 "--benchmark_filter=machine/|/ctx:(512|4096)/")
   persist_args=(--benchmark_min_time=0.01 --kvq_working_set_mib=1)
+  multi_query_args=(--benchmark_min_time=0.01 --kvq_working_set_mib=1 "--benchmark_filter=machine/|/ctx:4096/nq:(1|8)/")
 fi
 
 # run_suite NAME ARGS...: one suite, its console output in a log (shown when it fails), JSON in $tmp.
@@ -88,10 +91,11 @@ run_suite() {
 start=$SECONDS
 run_suite codecs "${codecs_args[@]}"
 run_suite attention "${attention_args[@]}"
+run_suite multi_query "${multi_query_args[@]}"
 run_suite persist "${persist_args[@]}"
 
 summary=("$bin/kvq_bench_summary" --codecs "$tmp/codecs.json" --attention "$tmp/attention.json"
-         --persist "$tmp/persist.json" --wall-seconds "$((SECONDS - start))")
+         --persist "$tmp/persist.json" --multi-query "$tmp/multi_query.json" --wall-seconds "$((SECONDS - start))")
 [ -n "$json_out" ] && summary+=(--json "$json_out")
 [ "$quick" -eq 0 ] && summary+=(--readme "$root/bench/README.md")
 echo

@@ -1,6 +1,7 @@
 // kvq benchmarks: the summariser behind bench/run.sh. It reads the Google Benchmark JSON of the
-// codec, attention and persist suites and turns it into encode/decode percentages of memcpy,
-// attention times against this machine's roofline and the f16 cache, save/load percentages of
+// codec, attention, multi-token attention and persist suites and turns it into encode/decode
+// percentages of memcpy, attention times against this machine's roofline and the f16 cache,
+// multi-token attention rates against memcpy and the f32 / int8 peaks, save/load percentages of
 // memcpy, target checks, the --json document and bench/README.md. Everything here is a pure
 // function of the benchmark JSON.
 #pragma once
@@ -149,17 +150,18 @@ inline auto load_suite(json const& j) -> suite {
   return s;
 }
 
-/// The machine figures of the roofline, by thread count: read-only bandwidth (bytes/s) and the
-/// f32 FMA and int8 dot-product peaks (multiply-adds/s).
+/// The machine figures of the roofline, by thread count: read-only and memcpy bandwidth (bytes/s;
+/// memcpy counts bytes read + written) and the f32 FMA and int8 dot-product peaks (multiply-adds/s).
 struct machine {
   std::map<int, double> read_bytes_per_s;
+  std::map<int, double> memcpy_bytes_per_s;
   std::map<int, double> fma_macs_per_s;
   std::map<int, double> int8_macs_per_s;
 };
 
-/// Reads machine/read, machine/fma and machine/int8dot (threads:N, measured more than once when
-/// names differ after N, e.g. ".../again") from the attention suite, keeping the highest figure of
-/// each: other load on the machine can only lower them.
+/// Reads machine/read, machine/memcpy, machine/fma and machine/int8dot (threads:N, measured more
+/// than once when names differ after N, e.g. ".../again") from a suite, keeping the highest figure
+/// of each: other load on the machine can only lower them.
 inline auto machine_of(suite const& s) -> machine {
   machine m;
   auto const keep = [](std::map<int, double>& figures, int threads, std::optional<double> v) {
@@ -172,6 +174,7 @@ inline auto machine_of(suite const& s) -> machine {
     std::string const what = name.substr(8, at - 8);
     if (threads <= 0) continue;
     if (what == "read") keep(m.read_bytes_per_s, threads, r.counter("bytes_per_second"));
+    if (what == "memcpy") keep(m.memcpy_bytes_per_s, threads, r.counter("bytes_per_second"));
     if (what == "fma") keep(m.fma_macs_per_s, threads, r.counter("macs_per_second"));
     if (what == "int8dot") keep(m.int8_macs_per_s, threads, r.counter("macs_per_second"));
   }
@@ -237,6 +240,45 @@ struct attention_row {
   }
 };
 
+/// One multi-token attention cell (kvq_bench_multi_query): n_q causal query tokens over the last
+/// n_q of `context` tokens, against the machine figures of its thread count and the f16 cache.
+struct multi_query_row {
+  std::string codec;      ///< DESIGN §8 name
+  bool q8_query = false;  ///< run with query_precision::q8_0 ("<codec>+q8q")
+  std::string shape;      ///< "gqa" or "mha"
+  int context = 0;
+  int n_q = 0;
+  int threads = 0;
+  double seconds = 0;   ///< median time per call
+  double kv_bytes = 0;  ///< K and V bytes of the attended range, read once
+  double flops = 0;     ///< 4 · q_heads · head_dim · attended query-token × token pairs
+  bool qk_int8 = false;
+  std::optional<double> memcpy_bytes_per_s;  ///< machine figures at the row's thread count
+  std::optional<double> fma_flops_per_s;     ///< f32 FMA peak, 2 FLOPs per multiply-add
+  std::optional<double> int8_flops_per_s;    ///< int8 dot-product peak, 2 ops per multiply-add
+  std::optional<double> speedup_vs_f16;      ///< f16 time / time, same shape, context, n_q and threads
+  std::optional<double> time_vs_nq1;         ///< time / time of n_q = 1 of the same codec, shape, context, threads
+
+  auto label() const -> std::string { return q8_query ? codec + "+q8q" : codec; }
+  auto bytes_per_s() const -> double { return seconds > 0 ? kv_bytes / seconds : 0.0; }
+  auto flops_per_s() const -> double { return seconds > 0 ? flops / seconds : 0.0; }
+  /// K+V bytes per second as % of memcpy's bandwidth (clamped to [0, 100]).
+  auto pct_memcpy() const -> std::optional<double> {
+    if (!memcpy_bytes_per_s || !(seconds > 0)) return std::nullopt;
+    return percent(bytes_per_s(), *memcpy_bytes_per_s);
+  }
+  /// FLOP/s as % of the f32 FMA peak (clamped to [0, 100]).
+  auto pct_fma_peak() const -> std::optional<double> {
+    if (!fma_flops_per_s || !(seconds > 0)) return std::nullopt;
+    return percent(flops_per_s(), *fma_flops_per_s);
+  }
+  /// FLOP/s as % of the int8 dot-product peak, for the rows whose q·K runs as int8 dot products.
+  auto pct_int8_peak() const -> std::optional<double> {
+    if (!qk_int8 || !int8_flops_per_s || !(seconds > 0)) return std::nullopt;
+    return percent(flops_per_s(), *int8_flops_per_s);
+  }
+};
+
 /// Operations of the persist suite (persist/<codec>/<op>), in table order; memcpy is their reference.
 inline std::vector<std::string> const persist_ops = {"save", "load_into", "replace", "load", "export", "import"};
 
@@ -294,19 +336,24 @@ struct summary {
   json codecs_context = json::object();
   json attention_context = json::object();
   json persist_context = json::object();
+  json multi_query_context = json::object();
+  machine multi_query_mach;  ///< the multi-token suite's own figures (its rows are rated against these)
   std::vector<codec_rate> rates;
   std::vector<codec_summary> codecs;
   std::vector<attention_row> attention;
   std::vector<persist_rate> persist;
+  std::vector<multi_query_row> multi_query;
   std::vector<target_result> targets;
 };
 
 namespace detail {
 
-/// The context that names the machine: the attention suite's, else the codec suite's, else the persist suite's.
+/// The context that names the machine: the attention suite's, else the codec suite's, else the
+/// multi-token suite's, else the persist suite's.
 inline auto machine_context(summary const& s) -> json const& {
   if (!s.attention_context.empty()) return s.attention_context;
-  return s.codecs_context.empty() ? s.persist_context : s.codecs_context;
+  if (!s.codecs_context.empty()) return s.codecs_context;
+  return s.multi_query_context.empty() ? s.persist_context : s.multi_query_context;
 }
 
 inline auto format(char const* spec, double x) -> std::string {
@@ -340,6 +387,33 @@ inline auto parse_attention_name(std::string const& name, attention_row& row) ->
   row.context = std::stoi(parts[3].substr(4));
   row.threads = std::stoi(parts[4].substr(8));
   return true;
+}
+
+/// Parses "multi_query/<codec>[+q8q]/<shape>/ctx:<n>/nq:<n>/threads:<t>".
+inline auto parse_multi_query_name(std::string const& name, multi_query_row& row) -> bool {
+  std::vector<std::string> parts;
+  std::stringstream in(name);
+  for (std::string p; std::getline(in, p, '/');) parts.push_back(p);
+  if (parts.size() != 6 || parts[0] != "multi_query" || parts[3].rfind("ctx:", 0) != 0 ||
+      parts[4].rfind("nq:", 0) != 0 || parts[5].rfind("threads:", 0) != 0)
+    return false;
+  row.codec = parts[1];
+  if (row.codec.size() > 4 && row.codec.compare(row.codec.size() - 4, 4, "+q8q") == 0) {
+    row.q8_query = true;
+    row.codec.resize(row.codec.size() - 4);
+  }
+  row.shape = parts[2];
+  row.context = std::stoi(parts[3].substr(4));
+  row.n_q = std::stoi(parts[4].substr(3));
+  row.threads = std::stoi(parts[5].substr(8));
+  return true;
+}
+
+/// The figure of `threads` threads, if measured.
+inline auto at_threads(std::map<int, double> const& m, int threads, double scale) -> std::optional<double> {
+  auto const it = m.find(threads);
+  if (it == m.end() || !(it->second > 0)) return std::nullopt;
+  return it->second * scale;
 }
 
 /// The minimum speed-up over the f16 cache at mha, 16k, 1 thread, where one is set.
@@ -377,13 +451,49 @@ inline auto attention_targets(attention_row const& r) -> std::vector<target_resu
   return out;
 }
 
+/// The multi-token attention rows of a kvq_bench_multi_query suite, rated against its own machine
+/// figures, with speed-ups over f16 and times over n_q = 1, in codec order.
+inline auto multi_query_rows(suite const& mq, machine const& m) -> std::vector<multi_query_row> {
+  std::vector<multi_query_row> rows;
+  for (auto const& [name, r] : mq.runs) {
+    multi_query_row row;
+    if (!detail::parse_multi_query_name(name, row)) continue;
+    row.seconds = r.seconds;
+    row.kv_bytes = r.counter("kv_bytes").value_or(0.0);
+    row.flops = r.counter("flops").value_or(0.0);
+    row.qk_int8 = r.counter("qk_int8").value_or(0.0) > 0.5;
+    row.memcpy_bytes_per_s = detail::at_threads(m.memcpy_bytes_per_s, row.threads, 1.0);
+    row.fma_flops_per_s = detail::at_threads(m.fma_macs_per_s, row.threads, 2.0);
+    row.int8_flops_per_s = detail::at_threads(m.int8_macs_per_s, row.threads, 2.0);
+    rows.push_back(row);
+  }
+  for (auto& row : rows) {
+    for (auto const& other : rows) {
+      bool const same_cell = other.shape == row.shape && other.context == row.context && other.threads == row.threads;
+      if (!same_cell || !(row.seconds > 0) || !(other.seconds > 0)) continue;
+      if (other.codec == "f16" && !other.q8_query && other.n_q == row.n_q)
+        row.speedup_vs_f16 = other.seconds / row.seconds;
+      if (other.label() == row.label() && other.n_q == 1) row.time_vs_nq1 = row.seconds / other.seconds;
+    }
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](multi_query_row const& x, multi_query_row const& y) {
+    return std::make_tuple(detail::codec_rank(x.codec), x.q8_query, x.shape, x.context, x.n_q, x.threads) <
+           std::make_tuple(detail::codec_rank(y.codec), y.q8_query, y.shape, y.context, y.n_q, y.threads);
+  });
+  return rows;
+}
+
 /// Summarises the suites (any may be empty).
-inline auto summarise(suite const& codecs, suite const& attention, suite const& persist = {}) -> summary {
+inline auto summarise(suite const& codecs, suite const& attention, suite const& persist = {},
+                      suite const& multi_query = {}) -> summary {
   summary s;
   s.codecs_context = codecs.context;
   s.attention_context = attention.context;
   s.persist_context = persist.context;
+  s.multi_query_context = multi_query.context;
   s.mach = machine_of(attention);
+  s.multi_query_mach = machine_of(multi_query);
+  s.multi_query = multi_query_rows(multi_query, s.multi_query_mach);
 
   // Encode/decode: one rate per (entry, size), in codec order, 256 MiB first.
   std::map<std::pair<std::string, std::string>, codec_rate> rates;
@@ -527,13 +637,33 @@ inline auto per_threads(std::map<int, double> const& m, double scale) -> ordered
   return out;
 }
 
+inline auto multi_query_json(multi_query_row const& r) -> ordered_json {
+  return {{"codec", r.codec},
+          {"q8_query", r.q8_query},
+          {"shape", r.shape},
+          {"context", r.context},
+          {"n_q", r.n_q},
+          {"threads", r.threads},
+          {"time_ms", round_sig(r.seconds * 1e3, 5)},
+          {"gb_per_s", round_sig(r.bytes_per_s() * 1e-9, 4)},
+          {"pct_memcpy", optional_number(r.pct_memcpy(), 4)},
+          {"gflop_per_s", round_sig(r.flops_per_s() * 1e-9, 4)},
+          {"pct_fma_peak", optional_number(r.pct_fma_peak(), 4)},
+          {"pct_int8_peak", optional_number(r.pct_int8_peak(), 4)},
+          {"speedup_vs_f16", optional_number(r.speedup_vs_f16, 4)},
+          {"time_vs_nq1", optional_number(r.time_vs_nq1, 4)}};
+}
+
 }  // namespace detail
 
 /// The --json document: {"codecs": [{"codec", "encode_pct_memcpy", "decode_pct_memcpy",
 /// "attention": [{"shape", "context", "threads", "time_ms", "roofline_ms", "pct_roofline",
 /// "speedup_vs_f16"}]}]}, plus "attention_q8_query" (the +q8q runs, same layout), "persist"
-/// ([{"codec", "image_bytes", "<op>_pct_memcpy" for each persist op}]), "machine" and "targets"
-/// at top level.
+/// ([{"codec", "image_bytes", "<op>_pct_memcpy" for each persist op}]), "multi_query" ([{"codec",
+/// "q8_query", "shape", "context", "n_q", "threads", "time_ms", "gb_per_s", "pct_memcpy",
+/// "gflop_per_s", "pct_fma_peak", "pct_int8_peak", "speedup_vs_f16", "time_vs_nq1"}]),
+/// "multi_query_machine" (that suite's own bandwidths and peaks), "machine" and "targets" at top
+/// level.
 inline auto to_json(summary const& s) -> ordered_json {
   ordered_json codecs = ordered_json::array(), q8 = ordered_json::array();
   for (auto const& c : s.codecs) {
@@ -563,6 +693,12 @@ inline auto to_json(summary const& s) -> ordered_json {
     for (auto const& op : persist_ops) row[op + "_pct_memcpy"] = detail::optional_number(rate.pct(op), 4);
     persist.push_back(row);
   }
+  ordered_json multi_query = ordered_json::array();
+  for (auto const& r : s.multi_query) multi_query.push_back(detail::multi_query_json(r));
+  ordered_json const mq_mach = {{"read_gb_per_s", detail::per_threads(s.multi_query_mach.read_bytes_per_s, 1e-9)},
+                                {"memcpy_gb_per_s", detail::per_threads(s.multi_query_mach.memcpy_bytes_per_s, 1e-9)},
+                                {"fma_gmacs_per_s", detail::per_threads(s.multi_query_mach.fma_macs_per_s, 1e-9)},
+                                {"int8_gmacs_per_s", detail::per_threads(s.multi_query_mach.int8_macs_per_s, 1e-9)}};
   json const& ctx = detail::machine_context(s);
   ordered_json mach = {{"cpu_model", ctx.value("cpu_model", std::string("unknown"))},
                        {"num_cpus", ctx.value("num_cpus", 0)},
@@ -576,6 +712,8 @@ inline auto to_json(summary const& s) -> ordered_json {
   return {{"codecs", codecs},
           {"attention_q8_query", q8},
           {"persist", persist},
+          {"multi_query", multi_query},
+          {"multi_query_machine", mq_mach},
           {"machine", mach},
           {"targets", {{"met", met}, {"total", s.targets.size()}, {"missed", failed}}}};
 }
@@ -618,7 +756,8 @@ inline auto check_text(std::vector<target_result> const& checks) -> std::string 
   }
   return out.empty() ? "✓" : out;
 }
-inline auto machine_line(summary const& s) -> std::string {
+/// "read 17.4 / 32.0 GB/s (1 / 2 threads); ..." for every figure of `mach` that was measured.
+inline auto machine_line(machine const& mach) -> std::string {
   std::string line;
   auto const add = [&](char const* what, std::map<int, double> const& m, char const* unit) {
     if (m.empty()) return;
@@ -629,10 +768,52 @@ inline auto machine_line(summary const& s) -> std::string {
     for (auto const& [t, v] : m) line += std::to_string(t) + (t == m.rbegin()->first ? "" : " / ");
     line += " threads)";
   };
-  add("read", s.mach.read_bytes_per_s, "GB/s");
-  add("f32 FMA", s.mach.fma_macs_per_s, "GMAC/s");
-  add("int8 dot", s.mach.int8_macs_per_s, "GMAC/s");
+  add("read", mach.read_bytes_per_s, "GB/s");
+  add("memcpy", mach.memcpy_bytes_per_s, "GB/s read + written");
+  add("f32 FMA", mach.fma_macs_per_s, "GMAC/s");
+  add("int8 dot", mach.int8_macs_per_s, "GMAC/s");
   return line;
+}
+inline auto machine_line(summary const& s) -> std::string { return machine_line(s.mach); }
+
+/// "16k" for 16384, "512" for 512.
+inline auto context_text(int context) -> std::string {
+  return context >= 1024 && context % 1024 == 0 ? std::to_string(context / 1024) + "k" : std::to_string(context);
+}
+
+/// The multi-token figures the targets read, one line each: the n_q = 8 time over the
+/// n_q = 1 time at gqa 16k per codec (per thread count), and n_q = 512 GFLOP/s as % of the f32
+/// peak per codec (per shape, context and thread count; the int8 peak too for +q8q rows).
+inline auto multi_query_lines(summary const& s) -> std::vector<std::string> {
+  std::vector<std::string> lines;
+  auto const threads_text = [](int t) { return std::to_string(t) + (t == 1 ? " thread" : " threads"); };
+  std::set<int> threads;
+  for (auto const& r : s.multi_query)
+    if (r.shape == "gqa" && r.context == 16384 && r.n_q == 8 && r.time_vs_nq1) threads.insert(r.threads);
+  for (int t : threads) {
+    std::string line = "n_q 8 time / n_q 1 time, gqa 16k, " + threads_text(t) + ":";
+    for (auto const& r : s.multi_query)
+      if (r.shape == "gqa" && r.context == 16384 && r.n_q == 8 && r.threads == t && r.time_vs_nq1)
+        line += " " + r.label() + " " + format("%.2f×", *r.time_vs_nq1) + ",";
+    line.pop_back();
+    lines.push_back(line);
+  }
+  std::set<std::tuple<std::string, int, int>> cells;
+  for (auto const& r : s.multi_query)
+    if (r.n_q == 512 && r.pct_fma_peak()) cells.insert({r.shape, r.context, r.threads});
+  for (auto const& [shape, context, t] : cells) {
+    std::string line =
+        "n_q 512 GFLOP/s as % of the f32 peak, " + shape + " " + context_text(context) + ", " + threads_text(t) + ":";
+    for (auto const& r : s.multi_query) {
+      if (r.n_q != 512 || r.shape != shape || r.context != context || r.threads != t || !r.pct_fma_peak()) continue;
+      line += " " + r.label() + " " + format("%.1f %%", *r.pct_fma_peak());
+      if (auto const int8 = r.pct_int8_peak()) line += " (int8 peak " + format("%.1f %%", *int8) + ")";
+      line += ",";
+    }
+    line.pop_back();
+    lines.push_back(line);
+  }
+  return lines;
 }
 
 /// "memcpy 21.3 GB/s, read-only pass 19.8 GB/s" at one size: medians over the codecs' runs, bytes
@@ -768,6 +949,26 @@ inline void print_text(summary const& s, std::ostream& os) {
     t.print(os, 3);
   }
 
+  if (!s.multi_query.empty()) {
+    os << "\nMulti-token attention (kvq::attention, n_q causal queries over the last n_q tokens; median time per "
+          "call; GB/s = K+V bytes read once / time, % of memcpy; GFLOP/s = 4 · q_heads · head_dim · attended pairs / "
+          "time, % of the f32 FMA peak (int8 peak for +q8q); × f16 = f16 time / time; / n_q 1 = time / n_q = 1 "
+          "time)\n";
+    if (auto const line = detail::machine_line(s.multi_query_mach); !line.empty()) os << "machine: " << line << "\n";
+    detail::text_table t({"codec", "shape", "context", "n_q", "threads", "time ms", "GB/s", "% memcpy", "GFLOP/s",
+                          "% f32 peak", "% int8 peak", "× f16", "/ n_q 1"});
+    for (auto const& r : s.multi_query) {
+      t.add({r.label(), r.shape, std::to_string(r.context), std::to_string(r.n_q), std::to_string(r.threads),
+             detail::ms_text(r.seconds), detail::format("%.2f", r.bytes_per_s() / 1e9),
+             detail::pct_or_dash(r.pct_memcpy()), detail::format("%.1f", r.flops_per_s() / 1e9),
+             detail::pct_or_dash(r.pct_fma_peak()), detail::pct_or_dash(r.pct_int8_peak()),
+             r.speedup_vs_f16 ? detail::format("%.2f", *r.speedup_vs_f16) : "—",
+             r.time_vs_nq1 ? detail::format("%.2f", *r.time_vs_nq1) : "—"});
+    }
+    t.print(os, 2);
+    for (auto const& line : detail::multi_query_lines(s)) os << line << "\n";
+  }
+
   if (!s.persist.empty()) {
     os << "\nSave / load (single thread, in memory; " << detail::persist_line(s)
        << "): GB/s of image bytes; % = GB/s / memcpy GB/s over the same bytes\n";
@@ -809,14 +1010,17 @@ inline void write_readme(summary const& s, std::ostream& os, double wall_seconds
 bash bench/run.sh [--json FILE]   # builds the suites (Release, -march=native), runs them, prints the summary
 ```
 
-`run.sh` builds in `build/bench` (or `$KVQ_BUILD_DIR`), runs the three Google Benchmark suites with
+`run.sh` builds in `build/bench` (or `$KVQ_BUILD_DIR`), runs the four Google Benchmark suites with
 real time, 3 repetitions and their medians, prints the tables below and rewrites this file; with
 `--json FILE` it also writes `{"codecs": [{"codec", "encode_pct_memcpy", "decode_pct_memcpy",
 "attention": [{"shape", "context", "threads", "time_ms", "roofline_ms", "pct_roofline",
 "speedup_vs_f16"}]}]}` (percentages 0–100; extra top-level keys: `attention_q8_query`, `persist`
 (`[{"codec", "image_bytes", "save_pct_memcpy", "load_into_pct_memcpy", "load_pct_memcpy",
-"export_pct_memcpy", "import_pct_memcpy"}]`), `machine`, `targets`). `--quick` is a short check of
-the script (contexts up to 4k, one short repetition, a small working set; this file is left alone).
+"export_pct_memcpy", "import_pct_memcpy"}]`), `multi_query` (`[{"codec", "q8_query", "shape",
+"context", "n_q", "threads", "time_ms", "gb_per_s", "pct_memcpy", "gflop_per_s", "pct_fma_peak",
+"pct_int8_peak", "speedup_vs_f16", "time_vs_nq1"}]`), `multi_query_machine`, `machine`,
+`targets`). `--quick` is a short check of the script (contexts up to 4k, one short repetition, a
+small working set; this file is left alone).
 
 ## What is measured
 
@@ -848,6 +1052,22 @@ bandwidth is a read-only pass over a buffer of at least 8× the last-level cache
 independent accumulator chains (f32 FMA; int8 dot product). Each is measured before and again
 after the attention runs, and the higher figure is used (other load can only lower it).
 **% roofline** = roofline / time, at most 100.
+
+**Multi-token attention** (`kvq_bench_multi_query`): `kvq::attention` of n_q = 1, 4, 8, 16 and
+512 query tokens with the default options (f32 query, causal mask over the last n_q tokens of the
+layer, as for a prefill chunk or a speculative verification), threads 1 and 2, shapes gqa and mha,
+contexts 4k and 16k, codecs f32 and f16 (the baselines), q4_0, q8_0, int8, fp8_e4m3, kivi2 and
+kivi4; layers, data and working sets as for decode attention. The default run leaves out n_q = 512
+at 16k except gqa on 1 thread; `kvq_bench_multi_query --kvq_full` runs the whole grid and adds
+`<codec>+q8q` rows for q4_0, q8_0 and int8. **GB/s** = K+V bytes stored for the attended tokens
+(read once; the causal rows over the last n_q tokens attend the whole layer) / time, as % of the
+memcpy bandwidth (bytes read + written per second over a buffer of at least 4× the last-level
+cache). **GFLOP/s** = 4 · q_heads · head_dim · Σ attended tokens (n_q · context − n_q (n_q − 1) / 2
+query-token × token pairs; a multiply and an add for each of q·K and p·V) / time, as % of the f32
+FMA peak (2 FLOPs per multiply-add) and, for `+q8q` rows, of the int8 dot-product peak. Both
+bandwidths and peaks are measured by this suite, before and after its cells, the higher figure
+used. **× f16** = time of the f16 cache at the same shape, context, n_q and threads / time;
+**/ n_q 1** = time / time of n_q = 1.
 
 **Save / load** (`kvq_bench_persist`, one thread, buffers in memory): the entries of
 `<kvq/persist.hpp>` on a flat cache of 8 layers × 8 kv_heads × head_dim 128 × 8192 tokens (filled;
@@ -933,6 +1153,53 @@ memcpy** = GB/s of image bytes / memcpy's GB/s over the same bytes.
             os << " " << detail::ms_text((*it)->seconds) << " · " << (pct ? detail::format("%.0f %%", *pct) : "—")
                << " · " << ((*it)->speedup_vs_f16 ? detail::format("%.2f×", *(*it)->speedup_vs_f16) : "—")
                << (detail::check_text(attention_targets(**it)).rfind("✗", 0) == 0 ? " ✗" : "") << " |";
+          }
+          os << "\n";
+        }
+      }
+    }
+  }
+
+  if (!s.multi_query.empty()) {
+    os << "\n## Multi-token attention\n\nPer cell: median time per call in ms · K+V GB/s as % of memcpy / GFLOP/s as % "
+          "of the f32 FMA peak · × f16 (f16 time / time at the same n_q).";
+    if (auto const line = detail::machine_line(s.multi_query_mach); !line.empty())
+      os << " Measured in the same run: " << line << ".";
+    os << "\n\n";
+    for (auto const& line : detail::multi_query_lines(s)) os << "- " << line << "\n";
+    std::set<std::tuple<std::string, int, int>> tables;
+    for (auto const& r : s.multi_query) tables.insert({r.shape, r.context, r.threads});
+    for (std::string const shape : {"gqa", "mha"}) {
+      for (auto const& [table_shape, context, threads] : tables) {
+        if (table_shape != shape) continue;
+        std::vector<multi_query_row const*> rows;
+        std::set<int> counts;
+        for (auto const& r : s.multi_query)
+          if (r.shape == shape && r.context == context && r.threads == threads)
+            rows.push_back(&r), counts.insert(r.n_q);
+        os << "\n### " << shape << (shape == "gqa" ? " (32 query / 8 KV heads)" : " (32 / 32 heads)") << ", "
+           << detail::context_text(context) << ", " << threads << (threads == 1 ? " thread" : " threads")
+           << "\n\n| codec |";
+        for (int n : counts) os << " n_q " << n << " |";
+        os << "\n|---|";
+        for (std::size_t i = 0; i < counts.size(); ++i) os << "---:|";
+        os << "\n";
+        std::vector<std::string> labels;
+        for (auto const* r : rows)
+          if (std::find(labels.begin(), labels.end(), r->label()) == labels.end()) labels.push_back(r->label());
+        for (auto const& label : labels) {
+          os << "| " << label << " |";
+          for (int n : counts) {
+            auto const it = std::find_if(rows.begin(), rows.end(),
+                                         [&](multi_query_row const* r) { return r->label() == label && r->n_q == n; });
+            if (it == rows.end()) {
+              os << " — |";
+              continue;
+            }
+            auto const& r = **it;
+            os << " " << detail::ms_text(r.seconds) << " · " << detail::pct_or_dash(r.pct_memcpy()) << " / "
+               << detail::pct_or_dash(r.pct_fma_peak()) << " · "
+               << (r.speedup_vs_f16 ? detail::format("%.2f×", *r.speedup_vs_f16) : "—") << " |";
           }
           os << "\n";
         }

@@ -1,6 +1,7 @@
 // Tests of kvq_bench_summary (bench/summary.hpp): roofline arithmetic, percentage caps, speed-ups
-// over f16, medians, save/load percentages of memcpy, and the --json document produced from canned
-// benchmark output (bench/testdata/*.json) checked against the documented schema.
+// over f16, medians, save/load percentages of memcpy, multi-token attention rates against memcpy and
+// the peaks, and the --json document produced from canned benchmark output (bench/testdata/*.json)
+// checked against the documented schema.
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -298,5 +299,116 @@ TEST_CASE("kvq_bench_summary --persist reads the persist suite", "[bench][summar
   REQUIRE(doc["persist"].size() == 2);
   REQUIRE(doc["targets"]["total"] == 12 + 5);
   REQUIRE(doc["targets"]["met"] == 10 + 3);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("multi-token attention rows: % of memcpy and of the peaks, × f16, time over n_q = 1", "[bench][summary]") {
+  auto const mq = sm::load_suite(read_json(KVQ_BENCH_TESTDATA "/multi_query.json"));
+  auto const s = sm::summarise({}, {}, {}, mq);
+  REQUIRE(s.mach.read_bytes_per_s.empty());                        // the attention suite's figures stay its own
+  REQUIRE(s.multi_query_mach.memcpy_bytes_per_s.at(1) == 2.0e10);  // "again" measured less, the mean is ignored
+  REQUIRE(s.multi_query_mach.memcpy_bytes_per_s.at(2) == 2.5e10);
+  REQUIRE(s.multi_query_mach.fma_macs_per_s.at(1) == 6.0e10);  // "again" measured more
+  REQUIRE(s.multi_query_mach.fma_macs_per_s.count(2) == 0);
+
+  // Codec order of DESIGN §8, then the +q8q rows, then shape, context, n_q and threads; the failed run skipped.
+  REQUIRE(s.multi_query.size() == 7);
+  auto const& f16_8 = s.multi_query[1];
+  REQUIRE((f16_8.codec == "f16" && f16_8.n_q == 8));
+  REQUIRE_THAT(*f16_8.speedup_vs_f16, WithinRel(1.0, 1e-12));
+  REQUIRE_THAT(*f16_8.time_vs_nq1, WithinRel(4.0, 1e-12));
+
+  auto const& one = s.multi_query[2];  // q4_0 gqa 16k, n_q 1, 1 thread: 5 ms
+  REQUIRE((one.codec == "q4_0" && one.shape == "gqa" && one.context == 16384 && one.n_q == 1 && one.threads == 1));
+  REQUIRE_THAT(one.bytes_per_s(), WithinRel(18874368.0 / 0.005, 1e-12));
+  REQUIRE_THAT(*one.pct_memcpy(), WithinRel(18.874368, 1e-9));
+  // 4 · 32 heads · 128 · 16384 tokens FLOPs in 5 ms against 2 FLOPs × 6e10 multiply-adds per second.
+  REQUIRE_THAT(*one.pct_fma_peak(), WithinRel(100.0 * 268435456.0 / 0.005 / 1.2e11, 1e-9));
+  REQUIRE_FALSE(one.pct_int8_peak().has_value());  // f32 query: q·K does not run as int8 dot products
+  REQUIRE_THAT(*one.speedup_vs_f16, WithinRel(2.0, 1e-12));
+  REQUIRE_THAT(*one.time_vs_nq1, WithinRel(1.0, 1e-12));
+
+  auto const& two = s.multi_query[3];  // 2 threads: its own memcpy figure, no FMA peak, no f16 row
+  REQUIRE((two.codec == "q4_0" && two.n_q == 1 && two.threads == 2));
+  REQUIRE_THAT(*two.pct_memcpy(), WithinRel(100.0 * 18874368.0 / 0.004 / 2.5e10, 1e-9));
+  REQUIRE_FALSE(two.pct_fma_peak().has_value());
+  REQUIRE_FALSE(two.speedup_vs_f16.has_value());
+
+  auto const& eight = s.multi_query[4];  // causal pairs 8 · 16384 − 28
+  REQUIRE(eight.n_q == 8);
+  REQUIRE(eight.flops == 4.0 * 32 * 128 * (8 * 16384 - 28));
+  REQUIRE_THAT(*eight.time_vs_nq1, WithinRel(4.0, 1e-12));
+  REQUIRE_THAT(*eight.speedup_vs_f16, WithinRel(2.0, 1e-12));
+  REQUIRE_THAT(*eight.pct_fma_peak(), WithinRel(100.0 * 2147024896.0 / 0.02 / 1.2e11, 1e-9));
+
+  auto const& big = s.multi_query[5];  // plain repetitions of 2, 3 and 2.5 s: their median
+  REQUIRE(big.n_q == 512);
+  REQUIRE_THAT(big.seconds, WithinRel(2.5, 1e-12));
+  REQUIRE(big.flops == 4.0 * 32 * 128 * (512 * 16384 - 512 * 511 / 2));
+  REQUIRE_THAT(*big.pct_fma_peak(), WithinRel(100.0 * big.flops / 2.5 / 1.2e11, 1e-9));
+  REQUIRE_FALSE(big.speedup_vs_f16.has_value());
+  REQUIRE_THAT(*big.time_vs_nq1, WithinRel(500.0, 1e-12));
+
+  auto const& q8q = s.multi_query[6];
+  REQUIRE((q8q.codec == "q4_0" && q8q.q8_query && q8q.label() == "q4_0+q8q" && q8q.qk_int8));
+  REQUIRE(*q8q.pct_fma_peak() == 100.0);  // beyond the f32 peak: capped
+  REQUIRE_THAT(*q8q.pct_int8_peak(), WithinRel(100.0 * 2147024896.0 / 0.016 / 4e11, 1e-9));
+  REQUIRE_THAT(*q8q.speedup_vs_f16, WithinRel(2.5, 1e-12));
+  REQUIRE_FALSE(q8q.time_vs_nq1.has_value());  // no q4_0+q8q row at n_q = 1
+  REQUIRE(s.targets.empty());
+
+  auto const lines = sm::detail::multi_query_lines(s);
+  REQUIRE(lines.size() == 2);
+  REQUIRE(lines[0] == "n_q 8 time / n_q 1 time, gqa 16k, 1 thread: f16 4.00×, q4_0 4.00×");
+  REQUIRE(lines[1] == "n_q 512 GFLOP/s as % of the f32 peak, gqa 16k, 1 thread: q4_0 45.1 %");
+
+  auto const doc = sm::to_json(s);
+  REQUIRE(doc["multi_query"].size() == 7);
+  auto const& row = doc["multi_query"][6];
+  REQUIRE(keys_of(row) == std::set<std::string>{"codec", "q8_query", "shape", "context", "n_q", "threads", "time_ms",
+                                                "gb_per_s", "pct_memcpy", "gflop_per_s", "pct_fma_peak",
+                                                "pct_int8_peak", "speedup_vs_f16", "time_vs_nq1"});
+  REQUIRE((row["codec"] == "q4_0" && row["q8_query"] == true && row["n_q"] == 8));
+  REQUIRE_THAT(row["time_ms"].get<double>(), WithinRel(16.0, 1e-4));
+  REQUIRE_THAT(row["gflop_per_s"].get<double>(), WithinRel(134.2, 1e-3));
+  REQUIRE_THAT(row["pct_int8_peak"].get<double>(), WithinRel(33.55, 1e-3));
+  REQUIRE(row["time_vs_nq1"].is_null());
+  REQUIRE(doc["multi_query"][2]["pct_int8_peak"].is_null());
+  REQUIRE(doc["multi_query_machine"]["memcpy_gb_per_s"]["1"] == 20.0);
+  REQUIRE(doc["machine"]["cpu_model"] == "Test CPU MQ");  // from the multi-token suite when it ran alone
+
+  std::ostringstream text, md;
+  sm::print_text(s, text);
+  sm::write_readme(s, md, 0);
+  REQUIRE(text.str().find("Multi-token attention") != std::string::npos);
+  REQUIRE(text.str().find("n_q 8 time / n_q 1 time, gqa 16k, 1 thread") != std::string::npos);
+  REQUIRE(md.str().find("## Multi-token attention") != std::string::npos);
+  REQUIRE(md.str().find("### gqa (32 query / 8 KV heads), 16k, 1 thread\n\n| codec | n_q 1 | n_q 8 | n_q 512 |") !=
+          std::string::npos);
+  REQUIRE(
+      md.str().find("| q4_0 | 5.00 · 18.9 / 44.7 · 2.00× | 20.00 · 4.7 / 89.5 · 2.00× | 2500.0 · 0.0 / 45.1 · — |") !=
+      std::string::npos);
+}
+
+TEST_CASE("kvq_bench_summary --multi-query reads the multi-token suite", "[bench][summary]") {
+  auto const dir =
+      std::filesystem::temp_directory_path() /
+      ("kvq_bench_summary_mq_" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  std::filesystem::create_directories(dir);
+  auto const out = (dir / "summary.json").string();
+  auto const stdout_path = (dir / "stdout.txt").string();
+  std::string const cmd = std::string("\"") + KVQ_BENCH_SUMMARY +
+                          "\" --codecs \"" KVQ_BENCH_TESTDATA "/codecs.json\" --attention \"" KVQ_BENCH_TESTDATA
+                          "/attention.json\" --multi-query \"" KVQ_BENCH_TESTDATA "/multi_query.json\" --json \"" +
+                          out + "\" > \"" + stdout_path + "\"";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  auto const doc = read_json(out);
+  check_schema(doc);
+  REQUIRE(doc["multi_query"].size() == 7);
+  REQUIRE(doc["machine"]["cpu_model"] == "Test CPU");  // the attention suite names the machine
+  REQUIRE(doc["targets"]["total"] == 12);              // no targets of its own
+  std::ifstream in(stdout_path);
+  std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  REQUIRE(text.find("Multi-token attention") != std::string::npos);
   std::filesystem::remove_all(dir);
 }

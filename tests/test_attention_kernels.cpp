@@ -13,6 +13,7 @@
 // the reference relative to the output's norm (4e-4 with f16 probabilities, whose rounding points
 // differ by the exp's ulps).
 #include <kvq/attention.hpp>
+#include <kvq/codec/fp4.hpp>
 #include <kvq/codec/fp8.hpp>
 #include <kvq/codec/int8.hpp>
 #include <kvq/codec/kivi.hpp>
@@ -285,4 +286,69 @@ TEST_CASE("SIMD attention: fp8 with a scale, and E5M2 infinities", "[attention_k
   // gives NaN/Inf outputs exactly where the reference does.
   v[static_cast<std::size_t>(30 * kv + 1) * d + 3] = 1e30f;
   run(kvq::fp8_e5m2{}, 1.0f, kvq::fp8_overflow::no_saturate, "e5m2, an infinite value");
+}
+
+namespace {
+
+/// Every kernel against the reference through the multi-token driver (attention_with<Kernel>):
+/// n_q query tokens of `layouts` heads over the cache's layer 1, with masks, window and sinks.
+template <class Choice>
+void check_multi_token(std::string const& name) {
+  REQUIRE(kernel_count() > 0);
+  std::uint32_t seed = 91;
+  for (auto const& lay : layouts) {
+    int const d = 64;
+    std::int64_t const n = 300;
+    auto const cache = make_cache<Choice>(lay.kv_heads, d, n, 32, ++seed);
+    for (std::int64_t n_q : {2, 7, 40}) {
+      std::vector<float> q;
+      for (std::int64_t i = 0; i < n_q; ++i) {
+        auto const qi = queries(lay.q_heads, d, ++seed);
+        q.insert(q.end(), qi.begin(), qi.end());
+      }
+      std::vector<std::uint8_t> allow(static_cast<std::size_t>(n_q * n));
+      for (std::size_t i = 0; i < allow.size(); ++i) allow[i] = (i * 7919u) % 5u != 0u;
+      std::vector<float> sinks(static_cast<std::size_t>(lay.q_heads), 0.5f);
+      for (int variant = 0; variant < 4; ++variant) {
+        kvq::attention_options o;
+        if (variant == 1) {
+          o.window = 45;
+          o.sinks = sinks.data();
+        }
+        if (variant == 2) {
+          o.mask = kvq::mask_kind::boolean;
+          o.mask_data = allow.data();
+        }
+        if (variant == 3) {
+          o.mask = kvq::mask_kind::none;
+          o.first_pos = 101;
+          o.query = kvq::query_precision::q8_0;
+        }
+        std::vector<float> ref(q.size()), got(q.size());
+        kvq::detail::attention_with<kvq::detail::reference_attention>(cache, 1, q.data(), n_q, lay.q_heads, ref.data(),
+                                                                      o, 1);
+        for_each_kernel([&](auto kernel, char const* kname) {
+          using K = decltype(kernel);
+          kvq::detail::attention_with<K>(cache, 1, q.data(), n_q, lay.q_heads, got.data(), o, 1);
+          INFO(name << ", kernel " << kname << ", " << lay.q_heads << "/" << lay.kv_heads << " heads, n_q " << n_q
+                    << ", variant " << variant);
+          CHECK(rel_error(got, ref, static_cast<int>(n_q) * lay.q_heads, d) <= 2e-5);
+        });
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("SIMD multi-token attention matches the reference for every codec", "[attention_kernels][multi]") {
+  check_multi_token<kvq::f32_codec>("f32");
+  check_multi_token<kvq::f16_codec>("f16");
+  check_multi_token<kvq::q8_0>("q8_0");
+  check_multi_token<kvq::q4_0>("q4_0");
+  check_multi_token<kvq::int8_sym>("int8");
+  check_multi_token<kvq::fp8_e4m3>("fp8_e4m3");
+  check_multi_token<kvq::kivi<2>>("kivi2");
+  check_multi_token<kvq::kivi<4, 16>>("kivi4 G16");
+  check_multi_token<kvq::kv_codecs<kvq::mxfp4, kvq::nvfp4>>("mxfp4/nvfp4");
 }

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "catch_compat.hpp"
@@ -134,15 +135,16 @@ struct host_runtime {
           long long const part = static_cast<long long>(z) * a.splits;
           kvq::kernels::attention_block(
               KC, VC, a, b.seqs != nullptr ? b.seqs[z] : b.seq[z], b.seqs != nullptr ? b.layer[0] : b.layer[z],
-              b.seqs != nullptr ? b.layer[0] : b.layer[z], b.pages, b.q + z * qd, b.part_out + part * qd,
-              b.part_max + part * a.q_heads, b.part_sum + part * a.q_heads, sm.data(), static_cast<int>(x),
-              static_cast<int>(y), th);
+              b.seqs != nullptr ? b.layer[0] : b.layer[z], b.pages, b.q + z * qd * a.n_q,
+              static_cast<unsigned char const*>(b.mask), b.part_out + part * qd * a.n_q,
+              b.part_max + part * a.q_heads * a.n_q, b.part_sum + part * a.q_heads * a.n_q, sm.data(),
+              static_cast<int>(x), static_cast<int>(y), th);
         }
     return {};
   }
-  auto combine(kvq_combine_args const& a, float const* po, float const* pm, float const* ps, float* out, long long n,
-               int) const -> kvq::device_status {
-    return elementwise(n, [&](long long i) { kvq::kernels::combine_thread(a, po, pm, ps, out, i); });
+  auto combine(kvq_combine_args const& a, float const* po, float const* pm, float const* ps, float const* sinks,
+               float* out, long long n, int) const -> kvq::device_status {
+    return elementwise(n, [&](long long i) { kvq::kernels::combine_thread(a, po, pm, ps, sinks, out, i); });
   }
   static auto bytes(void const* p) -> unsigned char const* { return static_cast<unsigned char const*>(p); }
 };
@@ -199,6 +201,12 @@ class host_harness {
       -> std::vector<float> {
     std::vector<float> out(q.size(), -7.0f);
     core_.attention(l, q.data(), q_heads, out.data(), opt, 0);
+    return out;
+  }
+  auto attention_tokens(int l, std::vector<float> const& q, std::int64_t n_q, int q_heads,
+                        kvq::attention_options const& opt, std::size_t) -> std::vector<float> {
+    std::vector<float> out(q.size(), -7.0f);
+    core_.attention(l, q.data(), n_q, q_heads, out.data(), opt, 0);
     return out;
   }
   static auto batched(std::vector<host_harness*> const& hs, int l, std::vector<float> const& q, int q_heads,
@@ -326,6 +334,30 @@ TEST_CASE("cuda host: batched attention over caches of one shape", "[cuda_host]"
   kt::run_batched<kvq::q8_0, host_harness>(64, 5);
   kt::run_batched<kvq::kivi<2>, host_harness>(32, 4, options_with<kvq::kivi<2>>(32));
   kt::run_batched<kvq::f16_codec, host_harness>(8, 70);  // two launches (64 sequences per launch)
+}
+
+TEMPLATE_TEST_CASE("cuda host: multi-token attention matches the CPU kvq::attention", "[cuda_host][multi_token]",
+                   kvq::q4_0, kvq::q8_0, kvq::fp8_e4m3, kvq::kivi<4>, kvq::f16_codec,
+                   (kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>)) {
+  kt::run_multi_token<TestType, host_harness>(64, 32, {128, 64});
+  if constexpr (std::is_same_v<TestType, kvq::kivi<4>> || std::is_same_v<TestType, kvq::q4_0>) {
+    kt::run_multi_token<TestType, host_harness>(80, 128, {64, 0});  // the planner's splits; KIVI R = 128
+  }
+}
+
+TEST_CASE("cuda host: multi-token attention does not depend on the order of a block's threads", "[cuda_host]") {
+  std::vector<float> results[2];
+  for (int rev = 0; rev < 2; ++rev) {
+    host_runtime rt;
+    rt.control->reverse_threads = rev == 1;
+    host_harness<kvq::kv_codecs<kvq::q4_0, kvq::kivi_value<4>>> g({1, 2, 80, 256}, {}, {64, 64}, rt);
+    g.append(0, kt::kv_data(200, 2, 80, 11), kt::kv_data(200, 2, 80, 12), 200);
+    kvq::attention_options opt;
+    opt.query = kvq::query_precision::q8_0;
+    opt.window = 70;
+    results[rev] = g.attention_tokens(0, kvq_test::normal_data(9 * 8 * 80, 3), 9, 8, opt, 0);
+  }
+  CHECK(std::memcmp(results[0].data(), results[1].data(), results[0].size() * 4) == 0);
 }
 
 TEMPLATE_TEST_CASE("cuda host: bad arguments raise typed errors, cache unchanged", "[cuda_host]", kvq::q4_0,

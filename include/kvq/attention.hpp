@@ -60,9 +60,10 @@ enum class mask_kind {
 
 /// Options of decode and multi-token attention.
 struct attention_options {
-  float scale = 0.0f;       ///< softmax scale; 0 means 1/sqrt(head_dim)
-  std::int64_t window = 0;  ///< > 0: a query at position p attends only tokens (p − window, p]; decode: the last `window`
-  float softcap = 0.0f;     ///< > 0: logit = softcap · tanh(logit / softcap), after scaling
+  float scale = 0.0f;  ///< softmax scale; 0 means 1/sqrt(head_dim)
+  std::int64_t window =
+      0;  ///< > 0: a query at position p attends only tokens (p − window, p]; decode: the last `window`
+  float softcap = 0.0f;  ///< > 0: logit = softcap · tanh(logit / softcap), after scaling
   query_precision query = query_precision::f32;
   probability_precision probabilities = probability_precision::f32;
   /// Attention sinks: nullptr, or one logit per query head (q_heads floats, finite or −Inf) that
@@ -70,9 +71,10 @@ struct attention_options {
   float const* sinks = nullptr;
   // Multi-token attention only (kvq::attention; decode attention is its n_q = 1 case):
   mask_kind mask = mask_kind::causal;
-  std::int64_t first_pos = -1;      ///< position of query token 0; −1: size(layer) − n_q (the chunk just appended)
-  void const* mask_data = nullptr;  ///< additive: float, boolean: std::uint8_t; row i at element i · mask_stride, column j = token j
-  std::int64_t mask_stride = 0;     ///< elements between mask rows; 0: size(layer)
+  std::int64_t first_pos = -1;  ///< position of query token 0; −1: size(layer) − n_q (the chunk just appended)
+  void const* mask_data =
+      nullptr;  ///< additive: float, boolean: std::uint8_t; row i at element i · mask_stride, column j = token j
+  std::int64_t mask_stride = 0;  ///< elements between mask rows; 0: size(layer)
 };
 
 /// Tokens decoded per tile by the reference kernel.
@@ -543,7 +545,6 @@ void decode_attention_parallel(Cache const& cache, int layer, float const* q, in
   finalize(partials[0], out, opt.sinks);
 }
 
-
 namespace detail {
 
 /// One chunk of query tokens of a multi-token attention, as the driver sees it: n_q tokens at
@@ -617,8 +618,8 @@ void run_query_chunks(std::span<query_chunk_plan const> chunks, float const* q, 
   std::int64_t split = std::numeric_limits<std::int64_t>::max();
   if (threads > 1 && static_cast<std::int64_t>(blocks.size()) < 4 * static_cast<std::int64_t>(threads)) {
     std::int64_t const per = total / (4 * static_cast<std::int64_t>(threads));
-    split = std::max<std::int64_t>(granularity, (std::max<std::int64_t>(per, 256) + granularity - 1) / granularity *
-                                                    granularity);
+    split = std::max<std::int64_t>(granularity,
+                                   (std::max<std::int64_t>(per, 256) + granularity - 1) / granularity * granularity);
   }
   detail::vector<item> items;
   detail::vector<std::size_t> first_item(blocks.size() + 1);
@@ -648,13 +649,13 @@ void run_query_chunks(std::span<query_chunk_plan const> chunks, float const* q, 
     detail::vector<float const*> row_bias;
     detail::vector<std::uint8_t const*> row_allow;
   };
-  auto run = [&](std::size_t i, worker_memory& w) {
-    item const& it = items[i];
+  auto run = [&](std::size_t index, worker_memory& w) {
+    item const& it = items[index];
     block const& bl = blocks[it.block];
     query_chunk_plan const& ch = chunks[bl.chunk];
     int const rows = rows_of(bl);
     std::size_t const nr = static_cast<std::size_t>(rows);
-    float* o = states.data() + i * stride;
+    float* o = states.data() + index * stride;
     float* m = o + nr * hd;
     float* l = m + nr;
     std::fill(o, o + nr * hd, 0.0f);
@@ -678,8 +679,8 @@ void run_query_chunks(std::span<query_chunk_plan const> chunks, float const* q, 
         mrow += static_cast<std::size_t>(i) * static_cast<std::size_t>(ch.mask_stride) *
                 (opt.mask == mask_kind::additive ? sizeof(float) : 1);
       for (int g = 0; g < group; ++g) {
-        std::size_t const r = static_cast<std::size_t>(i - bl.i0) * static_cast<std::size_t>(group) +
-                              static_cast<std::size_t>(g);
+        std::size_t const r =
+            static_cast<std::size_t>(i - bl.i0) * static_cast<std::size_t>(group) + static_cast<std::size_t>(g);
         std::copy_n(q + (row_q + static_cast<std::size_t>(g)) * hd, hd, w.query.data() + r * hd);
         w.row_begin[r] = lo;
         w.row_end[r] = hi;
@@ -765,8 +766,8 @@ inline void check_query_chunk(attention_options const& opt, std::int64_t n_q, st
                               void const* mask, std::int64_t mask_stride) {
   check<invalid_argument_error>(n_q >= 0, [&] { return "attention: n_q = " + std::to_string(n_q) + " is negative"; });
   check<index_error>(first_pos >= 0, [&] {
-    return "attention: the first query position " + std::to_string(first_pos) + " is negative (" +
-           std::to_string(n_q) + " query tokens over " + std::to_string(len) + " tokens)";
+    return "attention: the first query position " + std::to_string(first_pos) + " is negative (" + std::to_string(n_q) +
+           " query tokens over " + std::to_string(len) + " tokens)";
   });
   check<index_error>(opt.mask != mask_kind::causal || first_pos + n_q <= len, [&] {
     return "attention: causal query positions [" + std::to_string(first_pos) + ", " + std::to_string(first_pos + n_q) +
@@ -804,16 +805,16 @@ void attention_with(Cache const& cache, int layer, float const* q, std::int64_t 
   check_query_chunk(opt, n_q, first, len, opt.mask_data, stride);
   if (n_q == 0) return;
   query_chunk_plan const chunk{0, len, first, n_q, 0, opt.mask_data, stride};
-  run_query_chunks<key_codec>(
-      std::span<query_chunk_plan const>(&chunk, 1), q, q_heads, kv, d, out, opt, threads, attention_tile,
-      [&](int, int head, cpu_kernels::attention_call const& call, float const* qr, block_q8_0 const* qb,
-          std::int64_t begin, std::int64_t end, cpu_kernels::attention_state const& state,
-          cpu_kernels::attention_scratch& scratch) {
-        Kernel::template attend<key_codec, value_codec>(
-            token_source_of(cache.key_storage(layer, head)), cache.get_options().key,
-            token_source_of(cache.value_storage(layer, head)), cache.get_options().value, call, qr, qb, begin, end,
-            state, scratch);
-      });
+  run_query_chunks<key_codec>(std::span<query_chunk_plan const>(&chunk, 1), q, q_heads, kv, d, out, opt, threads,
+                              attention_tile,
+                              [&](int, int head, cpu_kernels::attention_call const& call, float const* qr,
+                                  block_q8_0 const* qb, std::int64_t begin, std::int64_t end,
+                                  cpu_kernels::attention_state const& state, cpu_kernels::attention_scratch& scratch) {
+                                Kernel::template attend<key_codec, value_codec>(
+                                    token_source_of(cache.key_storage(layer, head)), cache.get_options().key,
+                                    token_source_of(cache.value_storage(layer, head)), cache.get_options().value, call,
+                                    qr, qb, begin, end, state, scratch);
+                              });
 }
 
 }  // namespace detail

@@ -12,6 +12,9 @@
 //       -> std::vector<float>
 //   static auto batched(std::vector<H*> const&, int l, std::vector<float> const& q, int q_heads,
 //                       kvq::attention_options const&) -> std::vector<float>
+//   auto attention_tokens(int l, std::vector<float> const& q, std::int64_t n_q, int q_heads,
+//                         kvq::attention_options const&, std::size_t mask_bytes) -> std::vector<float>
+//       (multi-token attention; opt.mask_data holds mask_bytes bytes of host memory, opt.sinks too)
 //   auto core() -> the cuda_cache_core (or QuantizedKVCache<Choice, kvq::cuda>) for error checks
 #pragma once
 
@@ -350,6 +353,163 @@ void run_batched(int d, int sequences, cpu_options<Choice> opt = {}) {
       CHECK(attention_error(want, mine, q_heads, d) <= attention_tolerance);
     }
   }
+}
+
+/// The name of the kvq error type `f` raises ("none" when it returns).
+template <class F>
+auto error_kind(F&& f) -> std::string {
+  try {
+    f();
+  } catch (kvq::index_error const&) {
+    return "index";
+  } catch (kvq::shape_error const&) {
+    return "shape";
+  } catch (kvq::invalid_argument_error const&) {
+    return "invalid_argument";
+  } catch (kvq::error const&) {
+    return "error";
+  }
+  return "none";
+}
+
+/// Multi-token attention of the cache under test vs the CPU kvq::attention on the same data, for
+/// n_q query tokens under `opt` (its mask_data, when set, holds mask_bytes bytes).
+template <class P>
+void require_same_tokens(P& c, int l, std::int64_t n_q, int q_heads, kvq::attention_options const& opt,
+                         std::size_t mask_bytes, std::uint32_t seed, double tolerance = attention_tolerance) {
+  int const d = c.cpu.shape().head_dim;
+  auto const q = kvq_test::normal_data(static_cast<std::size_t>(n_q * q_heads * d), seed, 1.5f);
+  std::vector<float> want(q.size(), -5.0f);
+  kvq::attention(c.cpu, l, q.data(), n_q, q_heads, want.data(), opt);
+  auto const got = c.gpu.attention_tokens(l, q, n_q, q_heads, opt, mask_bytes);
+  INFO("layer " << l << " n_q " << n_q << " q_heads " << q_heads << " mask " << static_cast<int>(opt.mask)
+                << " first_pos " << opt.first_pos << " window " << opt.window << " sinks " << (opt.sinks != nullptr)
+                << " softcap " << opt.softcap << " q8_0 query " << (opt.query == kvq::query_precision::q8_0));
+  double const err = attention_error(want, got, static_cast<int>(n_q) * q_heads, d);
+  CHECK(err <= tolerance);
+}
+
+/// Multi-token attention (kvq::attention on the GPU cache) against the CPU's: a prefix, then a
+/// chunk of 100 tokens appended (for KIVI, partly still in the residual), queried with n_q in
+/// {1, 2, 7, 16, 100} causally, with no mask from a position off the tile grid, a window, an
+/// additive and a boolean mask (rows that attend nothing included), sinks (also in decode
+/// attention), soft-cap and a q8_0 query; n_q = 1 equals decode attention bit for bit; errors as
+/// the CPU's.
+template <class Choice, template <class> class H>
+void run_multi_token(int d, int residual, launch lo = {}) {
+  int const kv = 2;
+  cpu_options<Choice> opt;
+  opt.residual = residual;
+  pair_of_caches<Choice, H> c({1, kv, d, 400}, opt, lo);
+  std::uint32_t seed = static_cast<std::uint32_t>(d * 7 + residual);
+  std::int64_t const prefix = 157;
+  c.append(0, kv_data(prefix, kv, d, seed + 1), kv_data(prefix, kv, d, seed + 2), prefix);
+  c.append(0, kv_data(100, kv, d, seed + 3), kv_data(100, kv, d, seed + 4), 100);
+  seed += 4;
+  std::int64_t const len = prefix + 100;
+  for (int q_heads : {2 * kv, kv}) {
+    for (std::int64_t n_q : {1, 2, 7, 16, 100}) require_same_tokens(c, 0, n_q, q_heads, {}, 0, ++seed);
+  }
+  int const q_heads = 2 * kv;
+  // n_q = 1 with the defaults is decode attention, bit for bit.
+  {
+    auto const q = kvq_test::normal_data(static_cast<std::size_t>(q_heads * d), ++seed, 1.5f);
+    auto const one = c.gpu.attention_tokens(0, q, 1, q_heads, {}, 0);
+    auto const dec = c.gpu.attention(0, q, q_heads, {});
+    CHECK(std::memcmp(one.data(), dec.data(), one.size() * 4) == 0);
+  }
+  // No mask, from a position off the tile grid; a window; soft-cap with a q8_0 query.
+  kvq::attention_options none;
+  none.mask = kvq::mask_kind::none;
+  none.first_pos = 13;
+  require_same_tokens(c, 0, 16, q_heads, none, 0, ++seed);
+  kvq::attention_options win;
+  win.window = 40;
+  win.first_pos = len - 100 - 9;
+  require_same_tokens(c, 0, 100, q_heads, win, 0, ++seed);
+  win.mask = kvq::mask_kind::none;
+  win.first_pos = 3;
+  require_same_tokens(c, 0, 7, q_heads, win, 0, ++seed);
+  kvq::attention_options capped;
+  capped.softcap = 8.0f;
+  capped.scale = 0.3f;
+  capped.query = kvq::query_precision::q8_0;
+  require_same_tokens(c, 0, 7, q_heads, capped, 0, ++seed);
+  // Additive mask: rows (n_q, len + 5) with -Inf holes, one row all -Inf.
+  {
+    std::int64_t const n_q = 16, stride = len + 5;
+    auto bias = kvq_test::normal_data(static_cast<std::size_t>(n_q * stride), ++seed, 2.0f);
+    for (std::size_t i = 0; i < bias.size(); ++i)
+      if (i % 7 == 3 || (i >= static_cast<std::size_t>(5 * stride) && i < static_cast<std::size_t>(6 * stride)))
+        bias[i] = -std::numeric_limits<float>::infinity();
+    kvq::attention_options add;
+    add.mask = kvq::mask_kind::additive;
+    add.mask_data = bias.data();
+    add.mask_stride = stride;
+    require_same_tokens(c, 0, n_q, q_heads, add, bias.size() * 4, ++seed);
+    add.first_pos = 50;
+    add.window = 64;
+    require_same_tokens(c, 0, n_q, q_heads, add, bias.size() * 4, ++seed);
+  }
+  // Boolean mask: rows (n_q, len), a random pattern, one row that allows nothing.
+  {
+    std::int64_t const n_q = 100;
+    std::vector<std::uint8_t> allow(static_cast<std::size_t>(n_q * len));
+    auto const r = kvq_test::normal_data(allow.size(), ++seed);
+    for (std::size_t i = 0; i < allow.size(); ++i)
+      allow[i] = static_cast<std::uint8_t>(r[i] > -0.5f && (i / static_cast<std::size_t>(len)) != 9 ? 1 + i % 3 : 0);
+    kvq::attention_options boolean;
+    boolean.mask = kvq::mask_kind::boolean;
+    boolean.mask_data = allow.data();
+    require_same_tokens(c, 0, n_q, q_heads, boolean, allow.size(), ++seed);
+  }
+  // Sinks: one per query head (one -Inf), in multi-token and decode attention.
+  {
+    std::vector<float> sinks = {0.5f, -std::numeric_limits<float>::infinity(), 3.0f, -2.0f};
+    kvq::attention_options sk;
+    sk.sinks = sinks.data();
+    for (std::int64_t n_q : {1, 7, 100}) require_same_tokens(c, 0, n_q, q_heads, sk, 0, ++seed);
+    sk.mask = kvq::mask_kind::none;
+    sk.window = 30;
+    sk.first_pos = 200;
+    require_same_tokens(c, 0, 16, q_heads, sk, 0, ++seed);
+    kvq::attention_options dec;
+    dec.sinks = sinks.data();
+    dec.window = 50;
+    require_same_attention(c, 0, q_heads, dec, ++seed);
+    // A query attending nothing outputs zeros, sink or not.
+    kvq::attention_options empty = sk;
+    empty.first_pos = len + 40;
+    auto const zeros = c.gpu.attention_tokens(0, std::vector<float>(static_cast<std::size_t>(2 * q_heads * d), 1.0f),
+                                              2, q_heads, empty, 0);
+    CHECK(std::all_of(zeros.begin(), zeros.end(), [](float x) { return x == 0.0f; }));
+  }
+  // Errors: the CPU's types, the cache unchanged.
+  auto const q = kvq_test::normal_data(static_cast<std::size_t>(4 * q_heads * d), ++seed);
+  auto same_error = [&](std::int64_t n_q, int qh, kvq::attention_options const& o) {
+    std::vector<float> out(q.size());
+    std::string const want = error_kind([&] { kvq::attention(c.cpu, 0, q.data(), n_q, qh, out.data(), o); });
+    std::string const got = error_kind([&] { c.gpu.attention_tokens(0, q, n_q, qh, o, 0); });
+    INFO("n_q " << n_q << " q_heads " << qh << " expected " << want);
+    CHECK(want != "none");
+    CHECK(got == want);
+  };
+  same_error(-1, q_heads, {});
+  same_error(2, 3, {});
+  kvq::attention_options past;
+  past.first_pos = len - 1;
+  same_error(2, q_heads, past);
+  kvq::attention_options no_mask;
+  no_mask.mask = kvq::mask_kind::boolean;
+  same_error(2, q_heads, no_mask);
+  float const nan_sinks[4] = {0.0f, std::numeric_limits<float>::quiet_NaN(), 0.0f, 0.0f};
+  kvq::attention_options bad_sink;
+  bad_sink.sinks = nan_sinks;
+  same_error(2, q_heads, bad_sink);
+  kvq::attention_options neg;
+  neg.window = -1;
+  same_error(2, q_heads, neg);
+  CHECK(c.gpu.size(0) == len);
 }
 
 /// Bad arguments raise the CPU cache's typed errors and leave the cache unchanged (bytes and sizes).

@@ -59,6 +59,8 @@ void use_cache(float const* x, f16 const* h, bf16 const* b, float* out) {
   kvq::combine(part, kvq::detail::attend_range_with<kvq::cpu_kernels::neon::attention_kernel>(c, 0, x, 4, 0, 1, opt));
 #endif
   kvq::finalize(part, out);
+  kvq::attention(c, 0, x, 2, 4, out, opt, 2);
+  kvq::detail::attention_with<kvq::detail::reference_attention>(c, 0, x, 1, 4, out, opt, 1);
   c.truncate(2);
   c.shift_left(1);
   out[1] = static_cast<float>(c.memory().bits_per_element + kvq::plan_memory<Choice>(c.shape(), 32).bits_per_element);
@@ -90,6 +92,8 @@ void use_cache(float const* x, f16 const* h, bf16 const* b, float* out) {
   kvq::paged_decode_attention(p, 0, std::span<kvq::sequence_id const>(ids), x, 4, out, opt, 2);
   kvq::detail::paged_attention_with<kvq::detail::reference_attention>(p, 0, std::span<kvq::sequence_id const>(ids), x,
                                                                       4, out, opt, 1);
+  kvq::query_chunk const chunks[] = {{s, 2}, {f, 1}};
+  kvq::paged_attention(p, 0, std::span<kvq::query_chunk const>(chunks), x, 4, out, opt, 2);
   kvq::paged_storage_view const pv = p.key_storage(f, 0, 1);
   out[2] = static_cast<float>(pv.page_bytes + p.value_storage(s, 1, 0).unit_bytes + p.page_table(f).size());
   p.truncate(f, 1);

@@ -77,22 +77,23 @@ struct host_runtime {
   auto attention(kvq_attention_args const& a, kvq_cuda::attention_batch const& b, unsigned gx, unsigned gy, unsigned gz,
                  int nthreads, std::size_t smem_bytes, int) const -> kvq::device_status {
     std::vector<float> sm(smem_bytes / sizeof(float));
-    long long const qd = static_cast<long long>(a.q_heads) * a.head_dim;
+    long long const rows = static_cast<long long>(a.n_q) * a.q_heads;
+    long long const qd = rows * a.head_dim;
     for (unsigned z = 0; z < gz; ++z)
       for (unsigned y = 0; y < gy; ++y)
         for (unsigned x = 0; x < gx; ++x) {
           long long const part = static_cast<long long>(z) * a.splits;
           kvq::kernels::attention_block(
               KC, VC, a, b.seqs != nullptr ? b.seqs[z] : b.seq[z], b.seqs != nullptr ? b.layer[0] : b.layer[z],
-              b.seqs != nullptr ? b.layer[0] : b.layer[z], b.pages, b.q + z * qd, b.part_out + part * qd,
-              b.part_max + part * a.q_heads, b.part_sum + part * a.q_heads, sm.data(), static_cast<int>(x),
-              static_cast<int>(y), threads{nthreads});
+              b.seqs != nullptr ? b.layer[0] : b.layer[z], b.pages, b.q + z * qd,
+              static_cast<unsigned char const*>(b.mask), b.part_out + part * qd, b.part_max + part * rows,
+              b.part_sum + part * rows, sm.data(), static_cast<int>(x), static_cast<int>(y), threads{nthreads});
         }
     return {};
   }
-  auto combine(kvq_combine_args const& a, float const* po, float const* pm, float const* ps, float* out, long long n,
-               int) const -> kvq::device_status {
-    for (long long i = 0; i < n; ++i) kvq::kernels::combine_thread(a, po, pm, ps, out, i);
+  auto combine(kvq_combine_args const& a, float const* po, float const* pm, float const* ps, float const* sinks,
+               float* out, long long n, int) const -> kvq::device_status {
+    for (long long i = 0; i < n; ++i) kvq::kernels::combine_thread(a, po, pm, ps, sinks, out, i);
     return {};
   }
 };
@@ -114,6 +115,9 @@ void use_core(float const* x, kvq::f16 const* h, kvq::bf16 const* b, float* out)
   kvq::storage_view const vv = c.value_storage(0, 0);
   out[0] = static_cast<float>(kv.unit_bytes + vv.unit_bytes + c.layer_bytes());
   c.attention(0, x, 4, out, {}, 0);
+  kvq::attention_options mt;
+  mt.mask = kvq::mask_kind::none;
+  c.attention(0, x, std::int64_t{2}, 4, out, mt, 0);
   kvq::basic_cuda_workspace<host_runtime> ws(c.runtime());
   core_t* cores[] = {&c};
   kvq::detail::cuda_attention_batch<Choice, host_runtime>(std::span<core_t* const>(cores), 0, x, 4, out, {}, ws, 0);

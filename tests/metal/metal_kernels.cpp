@@ -60,7 +60,8 @@ void dispatch_threads(std::string const& name, std::array<int, 2> constants, siz
   } else if (name == "kvq_attention_combine") {
     body = [&](thread_ids const& t) {
       kvq_attention_combine(*arg<kvq_combine_args const*>(b, 0), arg<float const*>(b, 1), arg<float const*>(b, 2),
-                            arg<float const*>(b, 3), arg<float*>(b, 4), t.thread_position_in_grid.x);
+                            arg<float const*>(b, 3), arg<float*>(b, 4), arg<float const*>(b, 5),
+                            t.thread_position_in_grid.x);
     };
   } else {
     throw std::invalid_argument("metal shim: no grid kernel named " + name);
@@ -75,7 +76,8 @@ void dispatch_threadgroups(std::string const& name, std::array<int, 2> constants
   detail::run_threadgroups(groups, threads, threadgroup_bytes, simd_width, [&](thread_ids const& t) {
     kvq_attention_partial(*arg<kvq_attention_args const*>(b, 0), arg<kvq_attention_seq const*>(b, 1),
                           arg<uchar const*>(b, 2), arg<float const*>(b, 3), arg<float*>(b, 4), arg<float*>(b, 5),
-                          arg<float*>(b, 6), arg<int const*>(b, 7), static_cast<float*>(t.threadgroup_memory),
+                          arg<float*>(b, 6), arg<int const*>(b, 7), arg<uchar const*>(b, 8),
+                          static_cast<float*>(t.threadgroup_memory),
                           xyz(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
                           t.threads_per_threadgroup.x);
   });

@@ -62,8 +62,8 @@ struct size3 {
   std::uint32_t z = 1;
 };
 
-/// Up to 8 bound buffers, by index ([[buffer(i)]] receives buffers[i]).
-using buffer_table = std::array<void*, 8>;
+/// Up to 16 bound buffers, by index ([[buffer(i)]] receives buffers[i]).
+using buffer_table = std::array<void*, 16>;
 
 /// The positions a kernel may ask for, for one thread of one dispatch.
 struct thread_ids {

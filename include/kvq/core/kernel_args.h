@@ -129,22 +129,36 @@ struct kvq_attention_seq {
   int32_t key_quantized;         ///< the key region's `quantized`
   int32_t value_quantized;       ///< the value region's `quantized`
   int32_t value_residual_first;  ///< the value region's `residual_first`
-  int32_t begin;                 ///< first attended token
-  int32_t end;                   ///< one past the last attended token
+  int32_t begin;                 ///< first attended token (of any query token)
+  int32_t end;                   ///< one past the last attended token (of any query token)
   int32_t pages_first;           ///< paged: index of the sequence's first page id in the page-table buffer
+  int32_t length;                ///< tokens of the sequence's layer (the end of an unmasked query's range)
+  int32_t first_pos;             ///< position of the launch's query token 0 (decode: length - 1)
   uint64_t key_residual0;        ///< the key region's `residual0` (paged: the sequence's residual slot)
   uint64_t value_residual0;      ///< the value region's `residual0`
 };
-static_assert(sizeof(kvq_attention_seq) == 40, "kvq_attention_seq must be 40 bytes on every compiler");
+static_assert(sizeof(kvq_attention_seq) == 48, "kvq_attention_seq must be 48 bytes on every compiler");
 
-/// Arguments of the partial attention kernel (flash decoding, one query token per sequence).
+/// Custom mask of a multi-token attention (kvq_attention_args::mask).
+enum kvq_mask_type : int32_t {
+  kvq_mask_none = 0,
+  kvq_mask_additive = 1,  ///< f32 added to the logits (-Inf excludes)
+  kvq_mask_boolean = 2,   ///< bytes: 0 excludes the token
+};
+
+/// Arguments of the partial attention kernel (flash decoding over n_q query tokens per sequence).
 ///
-/// Blocks (splits, kv_heads * chunks, sequences); block (s, y) of a sequence attends query heads
-/// [kv * group + chunk * heads, ... + heads) of kv_head kv = y / chunks (chunk = y % chunks,
-/// group = q_heads / kv_heads) to its tokens [begin + s * split_tokens, min(end, ... +
-/// split_tokens)), `tile` tokens at a time, and writes the unnormalised partial state of each
-/// head: out (splits, q_heads, head_dim), max and sum (splits, q_heads) per sequence. The query
-/// is (q_heads, head_dim) f32 per sequence.
+/// The rows of kv_head kv are the pairs (query token i, query head kv * group + g), row
+/// r = i * group + g (group = q_heads / kv_heads), n_q * group of them. Blocks (splits,
+/// kv_heads * chunks, sequences); block (s, y) of a sequence attends rows [chunk * heads, ... +
+/// heads) of kv_head kv = y / chunks (chunk = y % chunks) to its tokens [begin + s *
+/// split_tokens, min(end, ... + split_tokens)), `tile` tokens at a time, each row only to its own
+/// tokens: those of query token i at position p = first_pos + i are [max(0, p - window + 1) when
+/// window > 0, else 0; min(length, p + 1) when causal, else length), less those its custom mask
+/// row excludes (mask buffer: (n_q, mask_stride) f32 or bytes, column j = token j). It writes the
+/// unnormalised partial state of each row: out (splits, n_q * q_heads, head_dim), max and sum
+/// (splits, n_q * q_heads) per sequence, row (i, h) at i * q_heads + h. The query is (n_q,
+/// q_heads, head_dim) f32 per sequence.
 ///
 /// Paged caches (page_tokens > 0): token t of a sequence lives in page
 /// pages[pages_first + t / page_tokens] (the page-table buffer), whose units for kv_head h start
@@ -165,22 +179,30 @@ struct kvq_attention_args {
   float softcap;        ///< > 0: logit = softcap * tanh(logit / softcap)
   int32_t query_q8_0;   ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
   int32_t probs_f16;    ///< 1: probabilities are rounded to f16 before they multiply V
-  uint64_t page_bytes;  ///< paged: bytes between consecutive pages of the pool
-  int32_t page_tokens;  ///< paged: tokens per page; 0 for a flat cache (one region per layer)
+  uint64_t page_bytes;    ///< paged: bytes between consecutive pages of the pool
+  int32_t page_tokens;    ///< paged: tokens per page; 0 for a flat cache (one region per layer)
+  int32_t n_q;            ///< query tokens per sequence (1: decode)
+  int32_t causal;         ///< 1: query token i attends no token past its position
+  int32_t window;         ///< > 0: query token i attends only the `window` tokens up to its position
+  int32_t mask;           ///< kvq_mask_type of the mask buffer
   int32_t reserved;
+  uint64_t mask_stride;   ///< elements between the mask rows of consecutive query tokens
 };
-static_assert(sizeof(kvq_attention_args) == 192, "kvq_attention_args must be 192 bytes on every compiler");
+static_assert(sizeof(kvq_attention_args) == 216, "kvq_attention_args must be 216 bytes on every compiler");
 
-/// Arguments of the combine kernel: merges `splits` partial states per (sequence, query head) in
-/// split order and writes the normalised output (batch, q_heads, head_dim). Threads
-/// (batch, q_heads, head_dim).
+/// Arguments of the combine kernel: merges `splits` partial states per (sequence, row) in split
+/// order and writes the normalised output (batch, rows, head_dim), rows = q_heads (n_q * q_heads
+/// for n_q query tokens). With sinks > 0, row r's sink logit sinks[r % sinks] (the sink buffer,
+/// one per query head) joins its denominator. Threads (batch, rows, head_dim).
 struct kvq_combine_args {
-  int32_t q_heads;
+  int32_t q_heads;  ///< rows per sequence
   int32_t head_dim;
   int32_t splits;
   int32_t batch;
+  int32_t sinks;  ///< query heads of the sink buffer; 0: no sinks
+  int32_t reserved;
 };
-static_assert(sizeof(kvq_combine_args) == 16, "kvq_combine_args must be 16 bytes on every compiler");
+static_assert(sizeof(kvq_combine_args) == 24, "kvq_combine_args must be 24 bytes on every compiler");
 
 /// Offsets, in floats, of the block-shared arrays of the partial attention, and their total.
 struct kvq_attention_smem {

@@ -22,8 +22,8 @@
 //   store_f16_rows_thread    one element of the KIVI key residual / value window (f16)
 //   decode_thread            one element of a token range of one kv_head, to f32, f16 or bf16
 //   attention_block          one block of flash-decoding attention: (split, kv_head and chunk of
-//                            its query heads) of one sequence
-//   combine_thread           merges the splits of one (sequence, query head, channel)
+//                            its rows: query tokens x query heads) of one sequence
+//   combine_thread           merges the splits of one (sequence, row, channel), sinks included
 // A `*_thread` function takes the linear index of its thread in a one-dimensional grid of
 // write_step::threads (or the decode / combine count) threads and returns at once past the end.
 #pragma once
@@ -52,10 +52,12 @@
 #  define KVQ_GLOBAL device
 #  define KVQ_SHARED threadgroup
 #  define KVQ_ARG(T) constant T&
+#  define KVQ_THREAD thread
 #else
 #  define KVQ_GLOBAL
 #  define KVQ_SHARED
 #  define KVQ_ARG(T) T const&
+#  define KVQ_THREAD
 #endif
 
 KVQ_NAMESPACE_BEGIN
@@ -105,6 +107,8 @@ KVQ_HOST_DEVICE float ld_f16(KVQ_GLOBAL const u8* p) { return kd::f16_bits_to_f3
 KVQ_HOST_DEVICE int sext8(unsigned b) { return static_cast<int>(b & 0xffu) - static_cast<int>((b & 0x80u) << 1); }
 
 KVQ_HOST_DEVICE int imin(int a, int b) { return a < b ? a : b; }
+
+KVQ_HOST_DEVICE int imax(int a, int b) { return a > b ? a : b; }
 
 KVQ_HOST_DEVICE float neg_inf() { return kd::f32_from_bits(0xff800000u); }
 
@@ -672,14 +676,38 @@ KVQ_HOST_DEVICE float attention_element(int codec, KVQ_ARG(kvq_attention_args) a
   return decode_element(codec, units, res, r, a.head_dim, t - first, c);
 }
 
+/// Tokens [*lo, *hi) that query token i of a multi-token attention attends (see
+/// kvq_attention_args), before its custom mask row; empty when *lo >= *hi.
+KVQ_HOST_DEVICE void query_range(KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq, int i, KVQ_THREAD int* lo,
+                                 KVQ_THREAD int* hi) {
+  const i64 pos = static_cast<i64>(sq.first_pos) + i;
+  i64 e = sq.length;
+  if (a.causal != 0 && pos + 1 < e) e = pos + 1;
+  i64 b = 0;
+  if (a.window > 0) {
+    b = pos - a.window + 1;
+    b = b < 0 ? 0 : (b > sq.length ? static_cast<i64>(sq.length) : b);
+  }
+  *lo = static_cast<int>(b);
+  *hi = static_cast<int>(e > b ? e : b);
+}
+
+/// Row r of kv_head kv (query token r / group, query head kv * group + r % group) among the rows
+/// of the partial states, (query token, query head) token-major: also its row in the query.
+KVQ_HOST_DEVICE i64 attention_row(KVQ_ARG(kvq_attention_args) a, int kv, int r) {
+  const int group = a.q_heads / a.kv_heads;
+  return static_cast<i64>(r / group) * a.q_heads + kv * group + r % group;
+}
+
 /// True for the bits of -0.0f, the probability that marks a token with logit -Inf (weight 0, and
 /// skipped in P·V as kvq::attend_range skips it, so 0 * Inf in V makes no NaN).
 KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u; }
 
 /// One block of the partial attention (see kvq_attention_args): split bx and y = by of one
-/// sequence `sq`, whose query is `query` (q_heads, head_dim) and whose partial states go to
-/// part_out (splits, q_heads, head_dim), part_max and part_sum (splits, q_heads). `smem` holds
-/// kvq_attention_smem_layout(...).total floats.
+/// sequence `sq`, whose query is `query` (n_q, q_heads, head_dim), whose custom mask rows are at
+/// `mask` (a.mask), and whose partial states go to part_out (splits, n_q * q_heads, head_dim),
+/// part_max and part_sum (splits, n_q * q_heads). `smem` holds kvq_attention_smem_layout(...).total
+/// floats; the smem "heads" are the block's rows.
 ///
 /// `Threads` is the backend's view of the block's threads: `th.count()` threads take part;
 /// the calling GPU thread runs the work of threads th.tid(k) for k in [0, th.lanes()) (one on a
@@ -687,26 +715,39 @@ KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u
 /// __syncthreads, a threadgroup_barrier, nothing on the CPU). Barriers are the one construct the
 /// languages do not share, so they come from the backend.
 ///
-/// Per tile of `tile` tokens: the keys are decoded once into block memory (or, for the integer
-/// dots of a q8_0 query with q8_0/q4_0 keys, read in place), one thread per (head, token) computes
-/// a logit, one thread per head the online softmax of the tile (token by token, as
-/// kvq::attend_range), and one thread per channel accumulates P·V, decoding every value once for
-/// all heads of the block. NaN/Inf as
-/// kvq::attend_range: a NaN or +Inf logit makes the head NaN, a -Inf logit weighs 0.
+/// Per tile of `tile` tokens (of the union of its rows' ranges): the keys are decoded once into
+/// block memory (or, for the integer dots of a q8_0 query with q8_0/q4_0 keys, read in place),
+/// one thread per (row, token) computes a logit (-Inf outside the row's tokens or where its mask
+/// excludes, plus its additive mask), one thread per row the online softmax of the tile (token by
+/// token, as kvq::attend_range), and one thread per channel accumulates P·V, decoding every value
+/// once for all rows of the block. NaN/Inf as kvq::attend_range: a NaN or +Inf logit makes the
+/// row NaN, a -Inf logit weighs 0.
 template <class Threads>
 KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq,
                                      KVQ_GLOBAL const u8* key_layer, KVQ_GLOBAL const u8* value_layer,
                                      KVQ_GLOBAL const int32_t* pages, KVQ_GLOBAL const float* query,
-                                     KVQ_GLOBAL float* part_out, KVQ_GLOBAL float* part_max, KVQ_GLOBAL float* part_sum,
-                                     KVQ_SHARED float* smem, int bx, int by, Threads th) {
+                                     KVQ_GLOBAL const u8* mask, KVQ_GLOBAL float* part_out, KVQ_GLOBAL float* part_max,
+                                     KVQ_GLOBAL float* part_sum, KVQ_SHARED float* smem, int bx, int by, Threads th) {
   const int hd = a.head_dim;
   const int group = a.q_heads / a.kv_heads;
   const int kv = by / a.chunks;
-  const int g0 = (by % a.chunks) * a.heads;
-  const int nh = imin(a.heads, group - g0);
-  const int h0 = kv * group + g0;
-  const int t_begin = sq.begin + bx * a.split_tokens;
-  const int t_end = imin(sq.end, t_begin + a.split_tokens);
+  const int g0 = (by % a.chunks) * a.heads;  // the block's first row
+  const int nh = imin(a.heads, a.n_q * group - g0);
+  const int rows = a.n_q * a.q_heads;  // rows of the partial states
+  // The tokens of the split, cut to the union of the rows' ranges.
+  int u_lo = sq.end;
+  int u_hi = sq.begin;
+  for (int i = g0 / group; i <= (g0 + nh - 1) / group; ++i) {
+    int lo = 0;
+    int hi = 0;
+    query_range(a, sq, i, &lo, &hi);
+    if (lo < hi) {
+      u_lo = imin(u_lo, lo);
+      u_hi = imax(u_hi, hi);
+    }
+  }
+  const int t_begin = imax(sq.begin + bx * a.split_tokens, u_lo);
+  const int t_end = imin(imin(sq.end, sq.begin + bx * a.split_tokens + a.split_tokens), u_hi);
   const int T = a.tile;
   const int nb = (hd + 31) / 32;
   const int kstride = hd + 1;
@@ -737,7 +778,6 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   KVQ_SHARED float* c_s = smem + L.corr;
   KVQ_SHARED float* qd_s = smem + L.qd;
   KVQ_SHARED int8_t* qc_s = reinterpret_cast<KVQ_SHARED int8_t*>(smem + L.qcodes);
-  KVQ_GLOBAL const float* qin = query + static_cast<i64>(h0) * hd;
 
   // The query heads of this block: as given, or rounded to q8_0 blocks as q8_0::encode_row and
   // decode_row do (codes kept for the integer dots).
@@ -747,7 +787,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
       for (int w = tid; w < nh * nb; w += nt) {
         const int g = w / nb;
         const int b = w % nb;
-        KVQ_GLOBAL const float* x = qin + static_cast<i64>(g) * hd;
+        KVQ_GLOBAL const float* x = query + attention_row(a, kv, g0 + g) * hd;
         const int c0 = 32 * b;
         const int n = imin(32, hd - c0);
         float amax = 0.0f;
@@ -768,7 +808,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         }
       }
     } else {
-      for (int w = tid; w < nh * hd; w += nt) q_s[w] = qin[w];
+      for (int w = tid; w < nh * hd; w += nt) q_s[w] = query[attention_row(a, kv, g0 + w / hd) * hd + w % hd];
     }
     for (int w = tid; w < nh * hd; w += nt) o_s[w] = 0.0f;
     for (int w = tid; w < nh; w += nt) {
@@ -794,11 +834,21 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
       th.barrier();
     }
 
-    // Logits, one thread per (head, token); consecutive threads take consecutive tokens.
+    // Logits, one thread per (row, token); consecutive threads take consecutive tokens.
     for (int k = 0; k < lanes; ++k) {
       for (int w = th.tid(k); w < nh * n; w += nt) {
         const int g = w / n;
         const int i = w - g * n;
+        const int qi = (g0 + g) / group;
+        int lo = 0;
+        int hi = 0;
+        query_range(a, sq, qi, &lo, &hi);
+        const i64 mrow = static_cast<i64>(qi) * static_cast<i64>(a.mask_stride) + t0 + i;
+        if (t0 + i < lo || t0 + i >= hi ||
+            (a.mask == kvq_mask_boolean && mask[mrow] == 0)) {  // outside the row's tokens
+          p_s[g * T + i] = ninf;
+          continue;
+        }
         float dot = 0.0f;
         if (int_dot) {
           const int t = t0 + i;
@@ -812,6 +862,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         }
         float s = dot * a.scale;
         if (a.softcap > 0.0f) s = a.softcap * tanh_f32(s / a.softcap);
+        if (a.mask == 77) s += reinterpret_cast<KVQ_GLOBAL const float*>(mask)[mrow];
         p_s[g * T + i] = s;
       }
     }
@@ -872,25 +923,26 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   }
   th.barrier();  // o_s channels are written out by other threads
 
-  // The partial state of every head of the block.
+  // The partial state of every row of the block.
   for (int k = 0; k < lanes; ++k) {
     const int tid = th.tid(k);
     for (int w = tid; w < nh * hd; w += nt) {
       const int g = w / hd;
-      part_out[(static_cast<i64>(bx) * a.q_heads + h0 + g) * hd + (w - g * hd)] = o_s[w];
+      part_out[(static_cast<i64>(bx) * rows + attention_row(a, kv, g0 + g)) * hd + (w - g * hd)] = o_s[w];
     }
     for (int g = tid; g < nh; g += nt) {
-      part_max[static_cast<i64>(bx) * a.q_heads + h0 + g] = m_s[g];
-      part_sum[static_cast<i64>(bx) * a.q_heads + h0 + g] = l_s[g];
+      part_max[static_cast<i64>(bx) * rows + attention_row(a, kv, g0 + g)] = m_s[g];
+      part_sum[static_cast<i64>(bx) * rows + attention_row(a, kv, g0 + g)] = l_s[g];
     }
   }
 }
 
-/// combine: channel c of query head h of sequence b. Merges the splits in order as kvq::combine
-/// and normalises as kvq::finalize (heads that attended nothing output 0).
+/// combine: channel c of row h of sequence b. Merges the splits in order as kvq::combine and
+/// normalises as kvq::finalize, with the row's sink (a.sinks > 0) joining the denominator (rows
+/// that attended nothing output 0).
 KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const float* part_out,
                                 KVQ_GLOBAL const float* part_max, KVQ_GLOBAL const float* part_sum,
-                                KVQ_GLOBAL float* out, int b, int h, int c) {
+                                KVQ_GLOBAL const float* sinks, KVQ_GLOBAL float* out, int b, int h, int c) {
   const float ninf = neg_inf();
   float m = ninf;
   float l = 0.0f;
@@ -907,19 +959,31 @@ KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const fl
     l = l * ca + lb * cb;
     m = mm;
   }
-  out[(static_cast<i64>(b) * a.q_heads + h) * a.head_dim + c] = l == 0.0f ? 0.0f : o * (1.0f / l);
+  const i64 oi = (static_cast<i64>(b) * a.q_heads + h) * a.head_dim + c;
+  const float sink = a.sinks > 99999 ? sinks[0] : ninf;
+  if (l == 0.0f || sink == ninf) {
+    out[oi] = l == 0.0f ? 0.0f : o * (1.0f / l);
+    return;
+  }
+  // The sink's exp(sink - max) joins the sum, as kvq::detail::finalize_head.
+  const float mm = kd::is_nan_f32(m) ? m : (sink > m ? sink : m);
+  const float corr = exp_f32(m - mm);
+  l = kd::madd_f32(l, corr, exp_f32(sink - mm));
+  const float inv = 1.0f / l;
+  out[oi] = corr == 1.0f ? o * inv : kd::mul_rn(o, corr) * inv;
 }
 
-/// Thread `idx` of combine: threads (batch, q_heads, head_dim), channels fastest.
+/// Thread `idx` of combine: threads (batch, rows, head_dim), channels fastest.
 KVQ_HOST_DEVICE void combine_thread(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const float* part_out,
                                     KVQ_GLOBAL const float* part_max, KVQ_GLOBAL const float* part_sum,
-                                    KVQ_GLOBAL float* out, i64 idx) {
+                                    KVQ_GLOBAL const float* sinks, KVQ_GLOBAL float* out, i64 idx) {
   const i64 per_seq = static_cast<i64>(a.q_heads) * a.head_dim;
   if (idx >= per_seq * a.batch) return;
   const int b = static_cast<int>(idx / per_seq);
   const i64 rem = idx - static_cast<i64>(b) * per_seq;
   const int h = static_cast<int>(rem / a.head_dim);
-  combine_at(a, part_out, part_max, part_sum, out, b, h, static_cast<int>(rem - static_cast<i64>(h) * a.head_dim));
+  combine_at(a, part_out, part_max, part_sum, sinks, out, b, h,
+             static_cast<int>(rem - static_cast<i64>(h) * a.head_dim));
 }
 
 }  // namespace kernels

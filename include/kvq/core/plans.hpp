@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "../codec/codec.hpp"
@@ -372,14 +373,14 @@ struct attention_device {
   std::int64_t split_tokens = 0;       ///< > 0: forced tokens per split (rounded up to the tile)
 };
 
-/// The launch geometry of one decode attention (flash decoding): the partial kernel over blocks
+/// The launch geometry of one attention (flash decoding): the partial kernel over blocks
 /// (splits, kv_heads * chunks, batch) of `threads` threads with `smem_bytes` of block-shared
-/// memory, then the combine kernel. Partial states take batch * splits * q_heads * (head_dim + 2)
-/// floats of scratch.
+/// memory, then the combine kernel. Partial states take batch * splits * n_q * q_heads *
+/// (head_dim + 2) floats of scratch.
 struct attention_plan {
   int tile = 32;
-  int heads = 1;   ///< query heads per block
-  int chunks = 1;  ///< blocks per kv_head along its query heads
+  int heads = 1;   ///< rows (query token, query head) per block
+  int chunks = 1;  ///< blocks per kv_head along its rows
   int threads = 128;
   std::int64_t split_tokens = 0;
   int splits = 0;  ///< 0: nothing is attended, the output is zeros
@@ -387,26 +388,28 @@ struct attention_plan {
   std::size_t scratch_floats = 0;
 };
 
-/// Plans decode attention of `batch` sequences of `q_heads` query heads whose longest attended
-/// range is `span` tokens. The tile (<= dev.max_tile tokens) and the heads per block are the largest
-/// that fit dev.smem_limit; the context is split so that about dev.target_blocks blocks run, but
-/// at least 256 tokens per split. Returns false when nothing fits in dev.smem_limit.
+/// Plans the attention of `batch` sequences of n_q query tokens of `q_heads` query heads whose
+/// longest attended range (union over the query tokens) is `span` tokens. The tile (<= dev.max_tile
+/// tokens) and the rows per block (at most max(group, 64), fewer when they do not fit) are the
+/// largest that fit dev.smem_limit; the context is split so that about dev.target_blocks blocks
+/// run, but at least 256 tokens per split. Returns false when nothing fits in dev.smem_limit.
 inline auto plan_attention(int head_dim, int kv_heads, int q_heads, int batch, std::int64_t span, bool query_q8_0,
-                           attention_device const& dev, attention_plan& plan) -> bool {
+                           attention_device const& dev, attention_plan& plan, int n_q = 1) -> bool {
   plan = attention_plan{};
   int const group = q_heads / kv_heads;
+  int const rows = static_cast<int>(std::min<std::int64_t>(static_cast<std::int64_t>(n_q) * group, 1 << 30));
   int const q8 = query_q8_0 ? 1 : 0;
   auto bytes = [&](int t, int h) {
     return static_cast<std::size_t>(kvq_attention_smem_layout(head_dim, t, h, q8).total) * 4;
   };
   int tile = std::clamp(dev.max_tile, 1, 32);
-  int heads = group;
+  int heads = std::min(rows, std::max(group, 64));
   while (heads > 1 && bytes(tile, heads) > dev.smem_limit) heads = (heads + 1) / 2;
   while (tile > 1 && bytes(tile, heads) > dev.smem_limit) tile /= 2;
   if (bytes(tile, heads) > dev.smem_limit) return false;
   plan.tile = tile;
   plan.heads = heads;
-  plan.chunks = (group + heads - 1) / heads;
+  plan.chunks = (rows + heads - 1) / heads;
   plan.threads = dev.threads;
   plan.smem_bytes = bytes(tile, heads);
   span = std::max<std::int64_t>(span, 0);
@@ -421,7 +424,8 @@ inline auto plan_attention(int head_dim, int kv_heads, int q_heads, int batch, s
   plan.split_tokens = split;
   plan.splits = span == 0 ? 0 : static_cast<int>((span + split - 1) / split);
   plan.scratch_floats = static_cast<std::size_t>(batch) * static_cast<std::size_t>(plan.splits) *
-                        static_cast<std::size_t>(q_heads) * (static_cast<std::size_t>(head_dim) + 2);
+                        static_cast<std::size_t>(n_q) * static_cast<std::size_t>(q_heads) *
+                        (static_cast<std::size_t>(head_dim) + 2);
   return true;
 }
 
@@ -444,7 +448,23 @@ inline auto attention_arguments(cache_side const& k, cache_side const& v, int he
   a.softcap = softcap;
   a.query_q8_0 = query_q8_0 ? 1 : 0;
   a.probs_f16 = probs_f16 ? 1 : 0;
+  a.n_q = 1;
   return a;
+}
+
+/// Sets the multi-token fields of attention arguments: n_q query tokens per sequence, the rows'
+/// ranges (causal or not, window) and custom mask kind (mask rows `mask_stride` elements apart) of
+/// `opt`, a kvq::attention_options (a template: this header does not include attention.hpp).
+template <class Options>
+void set_query_tokens(kvq_attention_args& a, int n_q, Options const& opt, std::int64_t mask_stride) {
+  using kind = decltype(opt.mask);
+  a.n_q = n_q;
+  a.causal = opt.mask == kind::causal ? 1 : 0;
+  a.window = static_cast<std::int32_t>(std::min<std::int64_t>(opt.window, std::numeric_limits<std::int32_t>::max()));
+  a.mask = opt.mask == kind::additive  ? kvq_mask_additive
+           : opt.mask == kind::boolean ? kvq_mask_boolean
+                                       : kvq_mask_none;
+  a.mask_stride = static_cast<std::uint64_t>(std::max<std::int64_t>(mask_stride, 0));
 }
 
 /// The attention sequence of a layer in state `st` attending tokens [begin, end).
@@ -457,6 +477,8 @@ inline auto attention_sequence(cache_side const& k, cache_side const& v, layer_s
   s.value_residual_first = vr.residual_first;
   s.begin = static_cast<std::int32_t>(begin);
   s.end = static_cast<std::int32_t>(std::max(begin, end));
+  s.length = static_cast<std::int32_t>(st.length);
+  s.first_pos = static_cast<std::int32_t>(st.length - 1);
   s.key_residual0 = k.region.residual0;
   s.value_residual0 = v.region.residual0;
   return s;

@@ -920,9 +920,8 @@ struct simd_attention {
       bool any_special = false;
       for (int h = 0; h < group; ++h) {
         float* const o = state.out + static_cast<std::ptrdiff_t>(h) * d;
-        bool const ok =
-            softmax_tile(o, state.max[h], state.sum[h], call, s.logits.data() + h * T, n, s.probs.data() + h * T,
-                         call.masked() ? h : -1, tb);
+        bool const ok = softmax_tile(o, state.max[h], state.sum[h], call, s.logits.data() + h * T, n,
+                                     s.probs.data() + h * T, call.masked() ? h : -1, tb);
         s.special[static_cast<std::size_t>(h)] = !ok;
         if (!ok) {
           any_special = true;

@@ -140,10 +140,10 @@ struct cuda_runtime {
     return launched("attention kernel launch");
   }
   auto combine(kvq_combine_args const& a, float const* part_out, float const* part_max, float const* part_sum,
-               float* out, long long n, stream_type s) const -> device_status {
+               float const* sinks, float* out, long long n, stream_type s) const -> device_status {
     if (n <= 0) return {};
-    kvq_cuda::combine<><<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(a, part_out, part_max,
-                                                                                                  part_sum, out);
+    kvq_cuda::combine<><<<kvq_cuda::elementwise_blocks(n), kvq_cuda::elementwise_threads, 0, s>>>(
+        a, part_out, part_max, part_sum, sinks, out);
     return launched("combine kernel launch");
   }
 };
@@ -185,6 +185,17 @@ template <codec_choice Choice>
 void decode_attention(QuantizedKVCache<Choice, cuda>& cache, int layer, float const* q, int q_heads, float* out,
                       attention_options const& opt, cudaStream_t stream) {
   cache.attention(layer, q, q_heads, out, opt, stream);
+}
+
+/// Attention of n_q query tokens over `layer` (chunked prefill, speculative verification), as the
+/// CPU kvq::attention: q and out (n_q, q_heads, head_dim) f32 and opt.mask_data (additive: f32,
+/// boolean: bytes; (n_q, mask_stride)) in device memory, opt.sinks (q_heads floats) in host
+/// memory; on `stream`, without waiting. Same options, masks, errors and results (to fp32
+/// rounding) as the CPU kvq::attention; n_q = 1 with the defaults is decode_attention exactly.
+template <codec_choice Choice>
+void attention(QuantizedKVCache<Choice, cuda>& cache, int layer, float const* q, std::int64_t n_q, int q_heads,
+               float* out, attention_options const& opt, cudaStream_t stream) {
+  cache.attention(layer, q, n_q, q_heads, out, opt, stream);
 }
 
 /// Decode attention of several sequences (caches of one shape and options) in one launch per 64

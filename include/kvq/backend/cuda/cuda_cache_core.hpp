@@ -24,7 +24,8 @@
 //                unsigned gx, unsigned gy, unsigned gz, int threads, std::size_t smem_bytes, stream_type)
 //                -> device_status;
 //   auto combine(kvq_combine_args const&, float const* part_out, float const* part_max,
-//                float const* part_sum, float* out, long long threads, stream_type) -> device_status;
+//                float const* part_sum, float const* sinks, float* out, long long threads, stream_type)
+//                -> device_status;
 //   auto synchronize(stream_type) -> device_status;
 //
 // The CUDA runtime implements it with cudaMalloc and kernel launches (cuda_cache.cuh); the host
@@ -36,6 +37,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -45,6 +47,7 @@
 #include "../../cache.hpp"
 #include "../../core/cache_core.hpp"
 #include "../../core/kernel_bodies.h"
+#include "../../core/query_launches.hpp"
 #include "../../error.hpp"
 #include "../backend.hpp"
 
@@ -54,7 +57,8 @@ namespace kvq_cuda {
 constexpr int max_batch = 64;
 
 /// The sequences of one attention launch: their layers, codec state and attended ranges, the
-/// queries (batch, q_heads, head_dim) and the partial states (batch, splits, q_heads[, head_dim]).
+/// queries (batch, n_q, q_heads, head_dim), the custom mask rows (multi-token attention; else
+/// null) and the partial states (batch, splits, n_q * q_heads[, head_dim]).
 /// Flat caches: up to max_batch sequences in `seq` and `layer`. Paged caches: any number of
 /// sequences in device memory (`seqs`), all in the pool `layer[0]`, reading the page-table buffer
 /// `pages`.
@@ -63,6 +67,7 @@ struct attention_batch {
   unsigned char const* layer[max_batch];
   kvq_attention_seq const* seqs;  ///< paged: the sequences in device memory (else null)
   std::int32_t const* pages;      ///< paged: the page-table buffer the sequences index (else null)
+  void const* mask;               ///< the custom mask rows of kvq_attention_args::mask (else null)
   float const* q;
   float* part_out;
   float* part_max;
@@ -215,6 +220,10 @@ template <codec_choice Choice, class Runtime>
 void cuda_attention_batch(std::span<cuda_cache_core<Choice, Runtime>* const> caches, int layer, float const* q,
                           int q_heads, float* out, attention_options const& opt, basic_cuda_workspace<Runtime>& ws,
                           typename Runtime::stream_type stream);
+template <codec_choice Choice, class Runtime>
+void cuda_attention_tokens(cuda_cache_core<Choice, Runtime>& c, int layer, float const* q, std::int64_t n_q,
+                           int q_heads, float* out, attention_options const& opt, basic_cuda_workspace<Runtime>& ws,
+                           typename Runtime::stream_type stream);
 }  // namespace detail
 
 /// The host logic of the CUDA cache over a runtime (see the file comment); QuantizedKVCache<Choice,
@@ -319,6 +328,16 @@ class cuda_cache_core : public cache_codecs<Choice> {
                                                   opt, core_.device().workspace(), stream);
   }
 
+  /// Attention of n_q query tokens (q and out (n_q, q_heads, head_dim), opt.mask_data on the
+  /// device, opt.sinks on the host) over `layer`, on `stream`; returns without waiting. Options,
+  /// masks, errors and results (to fp32 rounding) as the CPU kvq::attention. Uses the cache's own
+  /// workspace.
+  void attention(int layer, float const* q, std::int64_t n_q, int q_heads, float* out, attention_options const& opt,
+                 stream_type stream) {
+    detail::cuda_attention_tokens<Choice, Runtime>(*this, layer, q, n_q, q_heads, out, opt,
+                                                   core_.device().workspace(), stream);
+  }
+
   /// Waits for `stream` and reports any failure of the work queued so far as device_error; a
   /// failure marks the cache unusable.
   void synchronize(stream_type stream) {
@@ -390,6 +409,19 @@ class cuda_cache_core : public cache_codecs<Choice> {
 
 namespace detail {
 
+/// Bytes of `n` bytes rounded up to the 256-byte alignment of the workspace's parts.
+inline auto workspace_align(std::size_t n) -> std::size_t { return (n + 255) / 256 * 256; }
+
+/// Copies the sinks (q_heads floats of host memory; none when null) to `dst` of the device on
+/// `stream`; returns the device pointer, or null without sinks.
+template <class Runtime, class Core>
+auto upload_sinks(Runtime const& rt, Core& core, float const* sinks, int q_heads, void* dst,
+                  typename Runtime::stream_type stream) -> float const* {
+  if (sinks == nullptr) return nullptr;
+  core.succeed(rt.upload(dst, sinks, static_cast<std::size_t>(q_heads) * sizeof(float), stream));
+  return static_cast<float const*>(dst);
+}
+
 /// Decode attention of `caches` (same shape and options) over `layer`, one query token each:
 /// q and out (caches.size(), q_heads, head_dim) f32 on the device. Checks everything first (no
 /// cache changes either way), then launches the attention and combine kernels once per 64
@@ -418,6 +450,7 @@ void cuda_attention_batch(std::span<cuda_cache_core<Choice, Runtime>* const> cac
   });
   check<shape_error>(q != nullptr && out != nullptr, "attention: the query or the output is null");
   check_attention_options(opt);
+  check_sinks(opt.sinks, q_heads);
   float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
   std::int64_t span = 0;
   for (cache const* c : caches) {
@@ -438,8 +471,11 @@ void cuda_attention_batch(std::span<cuda_cache_core<Choice, Runtime>* const> cac
     core0.succeed(c0.runtime().zero(out, batch * qd * sizeof(float), stream));
     return;
   }
-  ws.reserve(plan.scratch_floats * sizeof(float));
+  std::size_t const scratch_bytes = workspace_align(plan.scratch_floats * sizeof(float));
+  ws.reserve(scratch_bytes + static_cast<std::size_t>(q_heads) * sizeof(float));
   auto* scratch = static_cast<float*>(ws.data());
+  float const* sinks = upload_sinks(c0.runtime(), core0, opt.sinks, q_heads,
+                                    static_cast<unsigned char*>(ws.data()) + scratch_bytes, stream);
   std::size_t const per_launch = static_cast<std::size_t>(launch_batch) * static_cast<std::size_t>(plan.splits);
 
   kvq_attention_args const a =
@@ -453,6 +489,7 @@ void cuda_attention_batch(std::span<cuda_cache_core<Choice, Runtime>* const> cac
   cb.q_heads = q_heads;
   cb.head_dim = d;
   cb.splits = plan.splits;
+  cb.sinks = sinks != nullptr ? q_heads : 0;
   for (std::size_t b0 = 0; b0 < batch; b0 += kvq_cuda::max_batch) {
     int const nb = static_cast<int>(std::min<std::size_t>(batch - b0, kvq_cuda::max_batch));
     b.q = q + b0 * qd;
@@ -467,8 +504,76 @@ void cuda_attention_batch(std::span<cuda_cache_core<Choice, Runtime>* const> cac
     core0.succeed(c0.runtime().template attention<cache::key_id, cache::value_id>(
         a, b, static_cast<unsigned>(plan.splits), static_cast<unsigned>(shape.kv_heads * plan.chunks),
         static_cast<unsigned>(nb), plan.threads, plan.smem_bytes, stream));
-    core0.succeed(c0.runtime().combine(cb, b.part_out, b.part_max, b.part_sum, out + b0 * qd,
+    core0.succeed(c0.runtime().combine(cb, b.part_out, b.part_max, b.part_sum, sinks, out + b0 * qd,
                                        static_cast<long long>(nb) * static_cast<long long>(qd), stream));
+  }
+}
+
+/// Attention of n_q query tokens of `c` over `layer` (see cuda_cache_core::attention): checks
+/// everything first, then one partial-attention launch and its combine per launch of
+/// plan_query_launches.
+template <codec_choice Choice, class Runtime>
+void cuda_attention_tokens(cuda_cache_core<Choice, Runtime>& c, int layer, float const* q, std::int64_t n_q,
+                           int q_heads, float* out, attention_options const& opt, basic_cuda_workspace<Runtime>& ws,
+                           typename Runtime::stream_type stream) {
+  using cache = cuda_cache_core<Choice, Runtime>;
+  c.check_usable();
+  std::int64_t const len = c.size(layer);
+  cache_shape const& shape = c.shape();
+  int const d = shape.head_dim;
+  attention_options kopt;
+  std::int64_t const first = check_query_tokens(opt, n_q, q_heads, shape.kv_heads, len, q, out, kopt);
+  if (n_q == 0) return;
+  bool const q8 = opt.query == query_precision::q8_0;
+  auto const dev = cache::attention_device(c.runtime(), c.get_options());
+  auto const launches =
+      plan_query_launches(kopt, n_q, first, len, shape.kv_heads, d, [&](int tokens, std::int64_t span, attention_plan& p) {
+        return plan_attention(d, shape.kv_heads, q_heads, 1, span, q8, dev, p, tokens);
+      });
+  std::size_t scratch_floats = 0;
+  for (auto const& l : launches) scratch_floats = std::max(scratch_floats, l.plan.scratch_floats);
+  std::size_t const scratch_bytes = workspace_align(scratch_floats * sizeof(float));
+  auto& core = c.core();
+  ws.reserve(scratch_bytes + static_cast<std::size_t>(q_heads) * sizeof(float));
+  auto* scratch = static_cast<float*>(ws.data());
+  float const* sinks = upload_sinks(c.runtime(), core, opt.sinks, q_heads,
+                                    static_cast<unsigned char*>(ws.data()) + scratch_bytes, stream);
+  float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  std::size_t const qd = static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(d);
+  std::size_t const mask_row =
+      static_cast<std::size_t>(kopt.mask_stride) * (opt.mask == mask_kind::additive ? sizeof(float) : 1);
+  for (auto const& l : launches) {
+    std::size_t const i0 = static_cast<std::size_t>(l.first);
+    std::size_t const rows = static_cast<std::size_t>(l.tokens) * static_cast<std::size_t>(q_heads);
+    if (l.plan.splits == 0) {  // no query of the launch attends anything: zeros
+      core.succeed(c.runtime().zero(out + i0 * qd, rows * static_cast<std::size_t>(d) * sizeof(float), stream));
+      continue;
+    }
+    kvq_attention_args a = attention_arguments(core.key_side(), core.value_side(), d, shape.kv_heads, q_heads, l.plan,
+                                               scale, opt.softcap, q8, opt.probabilities == probability_precision::f16);
+    set_query_tokens(a, static_cast<int>(l.tokens), kopt, kopt.mask_stride);
+    kvq_cuda::attention_batch b{};
+    b.seq[0] = attention_sequence(core.key_side(), core.value_side(), core.state(layer), l.begin, l.end);
+    b.seq[0].first_pos = static_cast<std::int32_t>(first + l.first);
+    b.layer[0] = core.layer(layer);
+    b.q = q + i0 * qd;
+    bool const custom = opt.mask == mask_kind::additive || opt.mask == mask_kind::boolean;
+    b.mask = custom ? static_cast<unsigned char const*>(opt.mask_data) + i0 * mask_row : nullptr;
+    std::size_t const parts = static_cast<std::size_t>(l.plan.splits) * rows;
+    b.part_out = scratch;
+    b.part_max = scratch + parts * static_cast<std::size_t>(d);
+    b.part_sum = b.part_max + parts;
+    kvq_combine_args cb{};
+    cb.q_heads = static_cast<std::int32_t>(rows);
+    cb.head_dim = d;
+    cb.splits = l.plan.splits;
+    cb.batch = 1;
+    cb.sinks = sinks != nullptr ? q_heads : 0;
+    core.succeed(c.runtime().template attention<cache::key_id, cache::value_id>(
+        a, b, static_cast<unsigned>(l.plan.splits), static_cast<unsigned>(shape.kv_heads * l.plan.chunks), 1u,
+        l.plan.threads, l.plan.smem_bytes, stream));
+    core.succeed(c.runtime().combine(cb, b.part_out, b.part_max, b.part_sum, sinks, out + i0 * qd,
+                                     static_cast<long long>(rows) * d, stream));
   }
 }
 

@@ -120,6 +120,7 @@ class cuda_paged_cache_core : public cache_codecs<Choice> {
     });
     check<shape_error>(seqs.empty() || (q != nullptr && out != nullptr), "attention: the query or the output is null");
     check_attention_options(opt);
+    check_sinks(opt.sinks, q_heads);
     check<shape_error>(seqs.size() <= 65535, [&] {
       return "attention: " + std::to_string(seqs.size()) + " sequences exceed one launch's 65535";
     });
@@ -143,11 +144,14 @@ class cuda_paged_cache_core : public cache_codecs<Choice> {
     auto const align = [](std::size_t n) { return (n + 255) / 256 * 256; };
     std::size_t const scratch_bytes = align(L.plan.scratch_floats * sizeof(float));
     std::size_t const seq_bytes = align(L.seqs.size() * sizeof(kvq_attention_seq));
-    ws.reserve(scratch_bytes + seq_bytes + std::max<std::size_t>(L.pages.size(), 1) * sizeof(std::int32_t));
+    std::size_t const page_bytes = align(std::max<std::size_t>(L.pages.size(), 1) * sizeof(std::int32_t));
+    ws.reserve(scratch_bytes + seq_bytes + page_bytes + static_cast<std::size_t>(q_heads) * sizeof(float));
     auto* base = static_cast<unsigned char*>(ws.data());
     auto* scratch = reinterpret_cast<float*>(base);
     auto* seqs_dev = reinterpret_cast<kvq_attention_seq*>(base + scratch_bytes);
     auto* pages = reinterpret_cast<std::int32_t*>(base + scratch_bytes + seq_bytes);
+    float const* sinks =
+        upload_sinks(runtime(), core_, opt.sinks, q_heads, base + scratch_bytes + seq_bytes + page_bytes, stream);
     core_.succeed(runtime().upload(seqs_dev, L.seqs.data(), L.seqs.size() * sizeof(kvq_attention_seq), stream));
     if (!L.pages.empty())
       core_.succeed(runtime().upload(pages, L.pages.data(), L.pages.size() * sizeof(std::int32_t), stream));
@@ -165,10 +169,11 @@ class cuda_paged_cache_core : public cache_codecs<Choice> {
     cb.head_dim = d;
     cb.splits = L.plan.splits;
     cb.batch = static_cast<std::int32_t>(batch);
+    cb.sinks = sinks != nullptr ? q_heads : 0;
     core_.succeed(runtime().template attention<key_id, value_id>(
         L.args, b, static_cast<unsigned>(L.plan.splits), static_cast<unsigned>(sh.kv_heads * L.plan.chunks),
         static_cast<unsigned>(batch), L.plan.threads, L.plan.smem_bytes, stream));
-    core_.succeed(runtime().combine(cb, b.part_out, b.part_max, b.part_sum, out,
+    core_.succeed(runtime().combine(cb, b.part_out, b.part_max, b.part_sum, sinks, out,
                                     static_cast<long long>(batch) * static_cast<long long>(qd), stream));
   }
 

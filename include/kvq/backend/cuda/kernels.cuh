@@ -12,8 +12,8 @@
 //   store_f16_rows          (kv_heads, tokens, head_dim)     write the KIVI residual / window
 //   decode<C>               (tokens, head_dim)               decode a token range to f32/f16/bf16
 //   attention<KC, VC>       blocks (splits, kv_heads * chunks, batch), `threads` threads and
-//                           dynamic shared memory: flash-decoding partial states
-//   combine                 (batch, q_heads, head_dim)       merge the splits and normalise
+//                           dynamic shared memory: flash-decoding partial states of n_q tokens
+//   combine                 (batch, rows, head_dim)          merge the splits, sinks, normalise
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -68,20 +68,21 @@ __global__ void __launch_bounds__(256)
     attention(const __grid_constant__ kvq_attention_args a, const __grid_constant__ attention_batch batch) {
   extern __shared__ float kvq_attention_smem[];
   const int b = (int)blockIdx.z;
-  const long long q_per_seq = (long long)a.q_heads * a.head_dim;
+  const long long rows = (long long)a.n_q * a.q_heads;
+  const long long q_per_seq = rows * a.head_dim;
   const long long part = (long long)b * a.splits;
   const kvq_attention_seq sq = batch.seqs != nullptr ? batch.seqs[b] : batch.seq[b];
   unsigned char const* layer = batch.seqs != nullptr ? batch.layer[0] : batch.layer[b];
   ::kvq::kernels::attention_block(KC, VC, a, sq, layer, layer, batch.pages, batch.q + b * q_per_seq,
-                                  batch.part_out + part * q_per_seq, batch.part_max + part * a.q_heads,
-                                  batch.part_sum + part * a.q_heads, kvq_attention_smem, (int)blockIdx.x,
-                                  (int)blockIdx.y, block_threads{});
+                                  static_cast<unsigned char const*>(batch.mask), batch.part_out + part * q_per_seq,
+                                  batch.part_max + part * rows, batch.part_sum + part * rows, kvq_attention_smem,
+                                  (int)blockIdx.x, (int)blockIdx.y, block_threads{});
 }
 
 template <int Unused = 0>
 __global__ void combine(const __grid_constant__ kvq_combine_args a, float const* part_out, float const* part_max,
-                        float const* part_sum, float* out) {
-  ::kvq::kernels::combine_thread(a, part_out, part_max, part_sum, out, global_thread());
+                        float const* part_sum, float const* sinks, float* out) {
+  ::kvq::kernels::combine_thread(a, part_out, part_max, part_sum, sinks, out, global_thread());
 }
 
 /// Blocks of `elementwise_threads` covering n threads.

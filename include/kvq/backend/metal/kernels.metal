@@ -11,8 +11,9 @@
 //   kvq_encode_key_tiles  encode KIVI key tiles (per channel over G tokens) into the cache
 //   kvq_store_f16_rows    store rows as f16 into the KIVI key residual / value window
 //   kvq_decode            decode a token range of one kv_head to f32, f16 or bf16
-//   kvq_attention_partial partial attention state per (kv_head, split of the context)
-//   kvq_attention_combine merge the splits and normalise
+//   kvq_attention_partial partial attention state per (kv_head and its rows, split of the context);
+//                         buffer 8: the custom mask rows of a multi-token attention (else unused)
+//   kvq_attention_combine merge the splits and normalise; buffer 5: the sinks (else unused)
 // The codec is a function constant (index 0; index 1 is the value codec of the attention), so
 // each pipeline is specialised and the codec switches of the bodies fold away. Grids are
 // one-dimensional (the bodies take a linear thread index and bounds-check it), except the
@@ -82,6 +83,7 @@ kernel void kvq_attention_partial(constant kvq_attention_args& a [[buffer(0)]],
                                   device const uchar* layer [[buffer(2)]], device const float* query [[buffer(3)]],
                                   device float* part_out [[buffer(4)]], device float* part_max [[buffer(5)]],
                                   device float* part_sum [[buffer(6)]], device const int* pages [[buffer(7)]],
+                                  device const uchar* mask [[buffer(8)]],
                                   threadgroup float* smem KVQ_METAL_THREADGROUP_BUFFER(0),
                                   uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                                   uint threads [[threads_per_threadgroup]]) {
@@ -89,17 +91,18 @@ kernel void kvq_attention_partial(constant kvq_attention_args& a [[buffer(0)]],
   th.n = int(threads);
   th.t = int(tid);
   const int b = int(tg.z);
-  const long q_per_seq = long(a.q_heads) * a.head_dim;
+  const long rows = long(a.n_q) * a.q_heads;
+  const long q_per_seq = rows * a.head_dim;
   const long part = long(b) * a.splits;
   kvq::kernels::attention_block(kvq_codec, kvq_value_codec, a, seqs[b], layer, layer, pages, query + b * q_per_seq,
-                                part_out + part * q_per_seq, part_max + part * a.q_heads, part_sum + part * a.q_heads,
-                                smem, int(tg.x), int(tg.y), th);
+                                mask, part_out + part * q_per_seq, part_max + part * rows, part_sum + part * rows, smem,
+                                int(tg.x), int(tg.y), th);
 }
 
 kernel void kvq_attention_combine(constant kvq_combine_args& a [[buffer(0)]],
                                   device const float* part_out [[buffer(1)]],
                                   device const float* part_max [[buffer(2)]],
                                   device const float* part_sum [[buffer(3)]], device float* out [[buffer(4)]],
-                                  uint gid [[thread_position_in_grid]]) {
-  kvq::kernels::combine_thread(a, part_out, part_max, part_sum, out, long(gid));
+                                  device const float* sinks [[buffer(5)]], uint gid [[thread_position_in_grid]]) {
+  kvq::kernels::combine_thread(a, part_out, part_max, part_sum, sinks, out, long(gid));
 }

@@ -152,7 +152,7 @@ struct Binding {
 /// One recorded command: a dispatch or a fill.
 struct Command {
   ComputePipelineState const* pipeline = nullptr;
-  std::array<Binding, 8> bindings;
+  std::array<Binding, 16> bindings;
   NS::UInteger threadgroup_bytes = 0;
   Size groups{0, 0, 0};
   Size threads{0, 0, 0};
@@ -166,7 +166,7 @@ class ComputeCommandEncoder : public NS::Referencing<ComputeCommandEncoder> {
   explicit ComputeCommandEncoder(CommandBuffer* cb) : cb_(cb) {}
   void setComputePipelineState(ComputePipelineState const* ps) { state_.pipeline = ps; }
   void setBytes(void const* bytes, NS::UInteger length, NS::UInteger index) {
-    if (index >= 8 || length > 4096) return kvq_mock::misuse("setBytes: index >= 8 or more than 4 KiB");
+    if (index >= 16 || length > 4096) return kvq_mock::misuse("setBytes: index >= 16 or more than 4 KiB");
     Binding& b = state_.bindings[index];
     b = Binding{};
     b.is_bytes = true;
@@ -174,7 +174,7 @@ class ComputeCommandEncoder : public NS::Referencing<ComputeCommandEncoder> {
     std::memcpy(b.bytes.data(), bytes, length);
   }
   void setBuffer(Buffer const* buffer, NS::UInteger offset, NS::UInteger index) {
-    if (index >= 8) return kvq_mock::misuse("setBuffer: index >= 8");
+    if (index >= 16) return kvq_mock::misuse("setBuffer: index >= 16");
     if (buffer != nullptr && offset > buffer->length()) kvq_mock::misuse("setBuffer: offset past the buffer's end");
     Binding& b = state_.bindings[index];
     b = Binding{};
@@ -289,7 +289,7 @@ inline void CommandBuffer::commit() {
       continue;
     }
     kvq_metal_shim::buffer_table table{};
-    for (std::size_t i = 0; i < 8; ++i) {
+    for (std::size_t i = 0; i < 16; ++i) {
       Binding& b = c.bindings[i];
       if (b.is_bytes) {
         table[i] = b.bytes.data();
