@@ -389,11 +389,13 @@ inline auto parse_attention_name(std::string const& name, attention_row& row) ->
   return true;
 }
 
-/// Parses "multi_query/<codec>[+q8q]/<shape>/ctx:<n>/nq:<n>/threads:<t>".
+/// Parses "multi_query/<codec>[+q8q]/<shape>/ctx:<n>/nq:<n>/threads:<t>", with or without the
+/// "/iterations:<n>" Google Benchmark adds to a cell of fixed iterations.
 inline auto parse_multi_query_name(std::string const& name, multi_query_row& row) -> bool {
   std::vector<std::string> parts;
   std::stringstream in(name);
-  for (std::string p; std::getline(in, p, '/');) parts.push_back(p);
+  for (std::string p; std::getline(in, p, '/');)
+    if (p.rfind("iterations:", 0) != 0) parts.push_back(p);
   if (parts.size() != 6 || parts[0] != "multi_query" || parts[3].rfind("ctx:", 0) != 0 ||
       parts[4].rfind("nq:", 0) != 0 || parts[5].rfind("threads:", 0) != 0)
     return false;
@@ -766,7 +768,7 @@ inline auto machine_line(machine const& mach) -> std::string {
     for (auto const& [t, v] : m) line += " " + format("%.1f", v / 1e9) + (t == m.rbegin()->first ? "" : " /");
     line += std::string(" ") + unit + " (";
     for (auto const& [t, v] : m) line += std::to_string(t) + (t == m.rbegin()->first ? "" : " / ");
-    line += " threads)";
+    line += m.size() == 1 && m.begin()->first == 1 ? " thread)" : " threads)";
   };
   add("read", mach.read_bytes_per_s, "GB/s");
   add("memcpy", mach.memcpy_bytes_per_s, "GB/s read + written");
@@ -1011,7 +1013,7 @@ bash bench/run.sh [--json FILE]   # builds the suites (Release, -march=native), 
 ```
 
 `run.sh` builds in `build/bench` (or `$KVQ_BUILD_DIR`), runs the four Google Benchmark suites with
-real time, 3 repetitions and their medians, prints the tables below and rewrites this file; with
+real time, 3 repetitions and their medians (the multi-token suite once), prints the tables below and rewrites this file; with
 `--json FILE` it also writes `{"codecs": [{"codec", "encode_pct_memcpy", "decode_pct_memcpy",
 "attention": [{"shape", "context", "threads", "time_ms", "roofline_ms", "pct_roofline",
 "speedup_vs_f16"}]}]}` (percentages 0–100; extra top-level keys: `attention_q8_query`, `persist`

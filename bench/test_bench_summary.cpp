@@ -341,7 +341,7 @@ TEST_CASE("multi-token attention rows: % of memcpy and of the peaks, × f16, tim
   REQUIRE_THAT(*eight.speedup_vs_f16, WithinRel(2.0, 1e-12));
   REQUIRE_THAT(*eight.pct_fma_peak(), WithinRel(100.0 * 2147024896.0 / 0.02 / 1.2e11, 1e-9));
 
-  auto const& big = s.multi_query[5];  // plain repetitions of 2, 3 and 2.5 s: their median
+  auto const& big = s.multi_query[5];  // ".../iterations:1", plain repetitions of 2, 3 and 2.5 s: their median
   REQUIRE(big.n_q == 512);
   REQUIRE_THAT(big.seconds, WithinRel(2.5, 1e-12));
   REQUIRE(big.flops == 4.0 * 32 * 128 * (512 * 16384 - 512 * 511 / 2));

@@ -133,12 +133,12 @@ struct host_runtime {
         for (unsigned x = 0; x < gx; ++x) {
           std::fill(sm.begin(), sm.end(), std::numeric_limits<float>::quiet_NaN());
           long long const part = static_cast<long long>(z) * a.splits;
-          kvq::kernels::attention_block(
-              KC, VC, a, b.seqs != nullptr ? b.seqs[z] : b.seq[z], b.seqs != nullptr ? b.layer[0] : b.layer[z],
-              b.seqs != nullptr ? b.layer[0] : b.layer[z], b.pages, b.q + z * qd * a.n_q,
-              static_cast<unsigned char const*>(b.mask), b.part_out + part * qd * a.n_q,
-              b.part_max + part * a.q_heads * a.n_q, b.part_sum + part * a.q_heads * a.n_q, sm.data(),
-              static_cast<int>(x), static_cast<int>(y), th);
+          kvq::kernels::attention_block(KC, VC, a, b.seqs != nullptr ? b.seqs[z] : b.seq[z],
+                                        b.seqs != nullptr ? b.layer[0] : b.layer[z],
+                                        b.seqs != nullptr ? b.layer[0] : b.layer[z], b.pages, b.q + z * qd * a.n_q,
+                                        static_cast<unsigned char const*>(b.mask), b.part_out + part * qd * a.n_q,
+                                        b.part_max + part * a.q_heads * a.n_q, b.part_sum + part * a.q_heads * a.n_q,
+                                        sm.data(), static_cast<int>(x), static_cast<int>(y), th);
         }
     return {};
   }

@@ -169,7 +169,7 @@ class shim_cache {
         {static_cast<std::uint32_t>(splits), static_cast<std::uint32_t>(shape.kv_heads * r.plan.chunks), 1},
         {lo.threads, 1, 1}, r.plan.smem_bytes, lo.simd_width,
         {&r.args, &seq, layer(l), const_cast<float*>(q), part_out.data(), part_max.data(), part_sum.data(), &no_pages});
-    kvq_combine_args cb{q_heads, shape.head_dim, r.plan.splits, 1};
+    kvq_combine_args cb{q_heads, shape.head_dim, r.plan.splits, 1, 0, 0};
     shim::dispatch_threads("kvq_attention_combine", {0, 0}, grid(static_cast<std::int64_t>(qh * d)),
                            {&cb, part_out.data(), part_max.data(), part_sum.data(), out});
   }
@@ -567,6 +567,17 @@ TEST_CASE("metal cache on a mock metal-cpp matches the CPU cache", "[metal]") {
   for (int d : {8, 64, 80, 128}) {
     INFO("head_dim " << d);
     auto const failures = run_metal_cache_checks(d);
+    for (auto const& f : failures) UNSCOPED_INFO(f);
+    CHECK(failures.empty());
+  }
+}
+
+TEST_CASE("metal cache multi-token attention matches the CPU kvq::attention", "[metal][multi_token]") {
+  // n_q query tokens, masks, windows and sinks through metal_cache.hpp on the mock metal-cpp (see
+  // tests/metal/metal_cache_checks.cpp).
+  for (int d : {64, 80}) {
+    INFO("head_dim " << d);
+    auto const failures = run_metal_attention_checks(d);
     for (auto const& f : failures) UNSCOPED_INFO(f);
     CHECK(failures.empty());
   }

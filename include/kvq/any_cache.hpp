@@ -78,6 +78,10 @@ class any_cache {
   /// decode_attention (a null q or out raises shape_error).
   virtual void attention(int layer, float const* q, int q_heads, float* out,
                          attention_options const& opt = {}) const = 0;
+  /// Attention of n_q query tokens q (n_q, q_heads, head_dim) over `layer` into out (same
+  /// shape), on `threads` threads; see kvq::attention (masks, positions, sinks in `opt`).
+  virtual void attention(int layer, float const* q, std::int64_t n_q, int q_heads, float* out,
+                         attention_options const& opt = {}, int threads = 1) const = 0;
   /// Partial attention over tokens [begin, end) of `layer` (split form; see attend_range).
   virtual auto attend(int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
                       attention_options const& opt = {}) const -> attention_partial = 0;
@@ -139,6 +143,10 @@ class any_cache_model final : public any_cache {
   auto nonfinite_blocks() const -> nonfinite_report override { return cache_.nonfinite_blocks(); }
   void attention(int layer, float const* q, int q_heads, float* out, attention_options const& opt) const override {
     decode_attention(cache_, layer, q, q_heads, out, opt);
+  }
+  void attention(int layer, float const* q, std::int64_t n_q, int q_heads, float* out, attention_options const& opt,
+                 int threads) const override {
+    ::kvq::attention(cache_, layer, q, n_q, q_heads, out, opt, threads);
   }
   auto attend(int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
               attention_options const& opt) const -> attention_partial override {
@@ -292,6 +300,10 @@ class layered_any_cache final : public any_cache {
   }
   void attention(int layer, float const* q, int q_heads, float* out, attention_options const& opt) const override {
     at(layer).attention(0, q, q_heads, out, opt);
+  }
+  void attention(int layer, float const* q, std::int64_t n_q, int q_heads, float* out, attention_options const& opt,
+                 int threads) const override {
+    at(layer).attention(0, q, n_q, q_heads, out, opt, threads);
   }
   auto attend(int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
               attention_options const& opt) const -> attention_partial override {

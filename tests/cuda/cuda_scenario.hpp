@@ -480,8 +480,8 @@ void run_multi_token(int d, int residual, launch lo = {}) {
     // A query attending nothing outputs zeros, sink or not.
     kvq::attention_options empty = sk;
     empty.first_pos = len + 40;
-    auto const zeros = c.gpu.attention_tokens(0, std::vector<float>(static_cast<std::size_t>(2 * q_heads * d), 1.0f),
-                                              2, q_heads, empty, 0);
+    auto const zeros = c.gpu.attention_tokens(0, std::vector<float>(static_cast<std::size_t>(2 * q_heads * d), 1.0f), 2,
+                                              q_heads, empty, 0);
     CHECK(std::all_of(zeros.begin(), zeros.end(), [](float x) { return x == 0.0f; }));
   }
   // Errors: the CPU's types, the cache unchanged.

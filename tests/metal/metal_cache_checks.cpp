@@ -552,7 +552,149 @@ void check_persist_choice(report& r, std::string const& name, int d, int residua
   });
 }
 
+/// The kvq error type `fn` raises, by name ("none" when it returns).
+template <class F>
+auto error_name(F&& fn) -> std::string {
+  try {
+    fn();
+  } catch (kvq::index_error const&) {
+    return "index";
+  } catch (kvq::shape_error const&) {
+    return "shape";
+  } catch (kvq::invalid_argument_error const&) {
+    return "argument";
+  } catch (kvq::error const&) {
+    return "error";
+  }
+  return "none";
+}
+
+/// Multi-token attention (the cache's attention over n_q query tokens) against the CPU
+/// kvq::attention: a prefix and a chunk of 100 tokens (KIVI: partly in the residual), n_q in {1, 2,
+/// 7, 16, 100} causally, no mask from a position off the tile grid, a window, an additive and a
+/// boolean mask (with rows that attend nothing), sinks (also in decode attention), soft-cap with a
+/// q8_0 query; n_q = 1 equals decode attention bit for bit; errors of the CPU's types.
+template <class Choice>
+void check_multi_token_choice(report& r, std::string const& name, int d, int residual) {
+  using gpu_cache = kvq::QuantizedKVCache<Choice, kvq::metal>;
+  using cpu_cache = kvq::QuantizedKVCache<Choice>;
+  r.where = "multi-token " + name + " head_dim " + std::to_string(d) + " R " + std::to_string(residual);
+  with_metal(r, [&](MTL::Device*, MTL::CommandQueue* queue, std::shared_ptr<kvq::metal_library> const& lib) {
+    kvq::cache_shape const shape{1, 2, d, 300};
+    typename gpu_cache::options go;
+    go.residual = residual;
+    go.threads = 64;
+    typename cpu_cache::options co;
+    co.residual = residual;
+    gpu_cache g(lib, queue, shape, go);
+    cpu_cache c(shape, co);
+    int const kv = shape.kv_heads;
+    std::uint32_t seed = static_cast<std::uint32_t>(d + residual);
+    for (std::int64_t n : {137, 100}) {
+      auto const k = data(n * kv, d, ++seed);
+      auto const v = data(n * kv, d, ++seed);
+      g.append(0, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+      c.append(0, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+    }
+    std::int64_t const len = 237;
+    auto compare = [&](std::string const& step, std::int64_t n_q, int qh, kvq::attention_options const& opt) {
+      std::mt19937 rng(++seed);
+      std::normal_distribution<float> dist(0.0f, 1.0f);
+      std::vector<float> q(static_cast<std::size_t>(n_q * qh * d));
+      for (auto& x : q) x = dist(rng);
+      std::vector<float> want(q.size(), -3.0f), got(q.size(), -4.0f);
+      kvq::attention(c, 0, q.data(), n_q, qh, want.data(), opt);
+      g.attention(0, q.data(), n_q, qh, got.data(), opt);
+      double const e = rel_error(want.data(), got.data(), static_cast<int>(n_q) * qh, d);
+      r.expect(e <= attention_tolerance, step + " n_q " + std::to_string(n_q) + ": error " + std::to_string(e));
+    };
+    for (int qh : {2 * kv, kv})
+      for (std::int64_t n_q : {1, 2, 7, 16, 100}) compare("causal q_heads " + std::to_string(qh), n_q, qh, {});
+    int const qh = 2 * kv;
+    {
+      std::vector<float> q(static_cast<std::size_t>(qh * d), 0.25f), one(q.size()), dec(q.size());
+      for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(i % 7) * 0.3f - 1.0f;
+      g.attention(0, q.data(), std::int64_t{1}, qh, one.data());
+      g.attention(0, q.data(), qh, dec.data());
+      r.expect(std::memcmp(one.data(), dec.data(), q.size() * 4) == 0, "n_q = 1 differs from decode attention");
+    }
+    kvq::attention_options none;
+    none.mask = kvq::mask_kind::none;
+    none.first_pos = 13;
+    compare("no mask", 16, qh, none);
+    kvq::attention_options win;
+    win.window = 40;
+    win.first_pos = len - 109;
+    compare("window", 100, qh, win);
+    kvq::attention_options capped;
+    capped.softcap = 8.0f;
+    capped.query = kvq::query_precision::q8_0;
+    compare("softcap, q8_0 query", 7, qh, capped);
+    std::int64_t const stride = len + 3;
+    std::vector<float> bias = data(16, static_cast<int>(stride), ++seed);
+    for (std::size_t i = 0; i < bias.size(); ++i)
+      if (i % 5 == 1 || i / static_cast<std::size_t>(stride) == 4) bias[i] = -std::numeric_limits<float>::infinity();
+    kvq::attention_options add;
+    add.mask = kvq::mask_kind::additive;
+    add.mask_data = bias.data();
+    add.mask_stride = stride;
+    compare("additive mask", 16, qh, add);
+    std::vector<std::uint8_t> allow(static_cast<std::size_t>(100 * len));
+    for (std::size_t i = 0; i < allow.size(); ++i)
+      allow[i] = static_cast<std::uint8_t>((i * 2654435761u >> 7) % 4 != 0 && i / static_cast<std::size_t>(len) != 3);
+    kvq::attention_options boolean;
+    boolean.mask = kvq::mask_kind::boolean;
+    boolean.mask_data = allow.data();
+    compare("boolean mask", 100, qh, boolean);
+    std::vector<float> sinks = {1.0f, -std::numeric_limits<float>::infinity(), 2.5f, -1.0f};
+    kvq::attention_options sk;
+    sk.sinks = sinks.data();
+    compare("sinks", 7, qh, sk);
+    sk.window = 20;
+    compare("sinks and window", 100, qh, sk);
+    {
+      std::vector<float> q(static_cast<std::size_t>(qh * d)), want(q.size()), got(q.size(), -3.0f);
+      for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(i % 5) * 0.4f - 0.8f;
+      kvq::decode_attention(c, 0, q.data(), qh, want.data(), sk);
+      g.attention(0, q.data(), qh, got.data(), sk);
+      r.expect(rel_error(want.data(), got.data(), qh, d) <= attention_tolerance, "decode attention with sinks differs");
+    }
+    std::vector<float> q(static_cast<std::size_t>(4 * qh * d)), out(q.size());
+    auto same_error = [&](std::string const& what, std::int64_t n_q, int heads, kvq::attention_options const& o) {
+      std::string const want = error_name([&] { kvq::attention(c, 0, q.data(), n_q, heads, out.data(), o); });
+      std::string const got = error_name([&] { g.attention(0, q.data(), n_q, heads, out.data(), o); });
+      r.expect(want != "none" && got == want, what + ": raises " + got + ", the CPU " + want);
+    };
+    same_error("n_q < 0", -1, qh, {});
+    same_error("q_heads", 2, 3, {});
+    kvq::attention_options past;
+    past.first_pos = len - 1;
+    same_error("causal past the end", 2, qh, past);
+    kvq::attention_options no_mask;
+    no_mask.mask = kvq::mask_kind::additive;
+    same_error("no mask data", 2, qh, no_mask);
+    float const nan_sinks[4] = {0.0f, std::numeric_limits<float>::quiet_NaN(), 0.0f, 0.0f};
+    kvq::attention_options bad_sink;
+    bad_sink.sinks = nan_sinks;
+    same_error("NaN sink", 2, qh, bad_sink);
+    r.expect(g.size(0) == len, "a failed attention changed the cache");
+  });
+}
+
 }  // namespace
+
+auto run_metal_attention_checks(int head_dim) -> std::vector<std::string> {
+  report r;
+  NS::AutoreleasePool* pool = NS::AutoreleasePool::alloc()->init();
+  check_multi_token_choice<kvq::q4_0>(r, "q4_0", head_dim, 0);
+  check_multi_token_choice<kvq::q8_0>(r, "q8_0", head_dim, 0);
+  check_multi_token_choice<kvq::fp8_e4m3>(r, "fp8_e4m3", head_dim, 0);
+  check_multi_token_choice<kvq::kivi<4>>(r, "kivi4", head_dim, 32);
+  check_multi_token_choice<kvq::f16_codec>(r, "f16", head_dim, 0);
+  check_multi_token_choice<kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>>(r, "q8_0/kivi2", head_dim, 128);
+  pool->release();
+  return r.failures;
+}
 
 auto run_metal_cache_checks(int head_dim) -> std::vector<std::string> {
   report r;

@@ -8,3 +8,7 @@
 /// metal-cpp, or on the default Metal device; see metal_cache_checks.cpp); returns the failures,
 /// empty when everything agrees.
 auto run_metal_cache_checks(int head_dim) -> std::vector<std::string>;
+
+/// Runs the Metal cache's multi-token attention (and sinks) against the CPU kvq::attention for
+/// several codecs at `head_dim`; returns the failures, empty when everything agrees.
+auto run_metal_attention_checks(int head_dim) -> std::vector<std::string>;

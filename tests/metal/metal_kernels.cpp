@@ -77,9 +77,8 @@ void dispatch_threadgroups(std::string const& name, std::array<int, 2> constants
     kvq_attention_partial(*arg<kvq_attention_args const*>(b, 0), arg<kvq_attention_seq const*>(b, 1),
                           arg<uchar const*>(b, 2), arg<float const*>(b, 3), arg<float*>(b, 4), arg<float*>(b, 5),
                           arg<float*>(b, 6), arg<int const*>(b, 7), arg<uchar const*>(b, 8),
-                          static_cast<float*>(t.threadgroup_memory),
-                          xyz(t.threadgroup_position_in_grid), t.thread_index_in_threadgroup,
-                          t.threads_per_threadgroup.x);
+                          static_cast<float*>(t.threadgroup_memory), xyz(t.threadgroup_position_in_grid),
+                          t.thread_index_in_threadgroup, t.threads_per_threadgroup.x);
   });
 }
 

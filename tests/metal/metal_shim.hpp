@@ -406,7 +406,7 @@ inline auto float_to_half_bits(float f) -> std::uint16_t {
 inline auto half_bits_to_float(std::uint16_t h) -> float {
   std::uint32_t const e = (h >> 10) & 0x1fu;
   std::uint32_t const m = h & 0x3ffu;
-  float v = e == 0 ? std::ldexp(static_cast<float>(m), -24)
+  float v = e == 0    ? std::ldexp(static_cast<float>(m), -24)
             : e == 31 ? (m == 0 ? INFINITY : NAN)
                       : std::ldexp(static_cast<float>(m | 0x400u), static_cast<int>(e) - 25);
   return (h & 0x8000u) ? -v : v;
@@ -514,9 +514,8 @@ inline T simd_broadcast(T x, ushort lane) {
 template <class T>
 inline T simd_shuffle_down(T x, ushort delta) {
   uint const me = kvq_metal_shim::detail::current.lane;
-  return kvq_metal_shim::detail::simd_exchange(x, [me, delta, x](auto value, uint w) {
-    return me + delta < w ? value(me + delta) : x;
-  });
+  return kvq_metal_shim::detail::simd_exchange(
+      x, [me, delta, x](auto value, uint w) { return me + delta < w ? value(me + delta) : x; });
 }
 
 using std::exp;
@@ -539,7 +538,7 @@ using std::tanh;
 #  define constant const
 
 // Function constants read the values passed to the dispatcher (ints only).
-#  define KVQ_METAL_FUNCTION_CONSTANT(type, name, index)                                      \
+#  define KVQ_METAL_FUNCTION_CONSTANT(type, name, index)                                       \
     static_assert(std::is_same_v<type, int>, "the shim supports int function constants only"); \
     inline type const& name = ::kvq_metal_shim::detail::function_constants()[index];
 // [[threadgroup(n)]] cannot be spelt once `threadgroup` is a macro; the dispatcher passes the

@@ -154,7 +154,8 @@ inline auto file_size(std::string const& path, char const* what) -> u64 {
   if (!std::filesystem::is_regular_file(st))
     ::kvq::detail::raise<io_error>(std::string(what) + " file '" + path + "' is not a regular file");
   auto const n = std::filesystem::file_size(path, ec);
-  if (ec) ::kvq::detail::raise<io_error>(std::string(what) + " file '" + path + "': cannot get its size: " + ec.message());
+  if (ec)
+    ::kvq::detail::raise<io_error>(std::string(what) + " file '" + path + "': cannot get its size: " + ec.message());
   return static_cast<u64>(n);
 }
 
@@ -169,7 +170,8 @@ inline auto open_binary(std::string const& path, char const* what) -> std::ifstr
 inline void read_exact(std::ifstream& in, void* dst, u64 n, std::string const& path, char const* what) {
   in.read(static_cast<char*>(dst), static_cast<std::streamsize>(n));
   if (!in || static_cast<u64>(in.gcount()) != n)
-    ::kvq::detail::raise<io_error>(std::string(what) + " file '" + path + "': read error (file changed while loading?)");
+    ::kvq::detail::raise<io_error>(std::string(what) + " file '" + path +
+                                   "': read error (file changed while loading?)");
 }
 
 /// y[i] = Σ_j w[i·n + j] · x[j] for i < d (row-major [d][n]); float accumulation in 8 fixed lanes.
@@ -234,12 +236,14 @@ class model {
                 rms_final = 0, wcls = 0;
   };
 
-  static constexpr auto sq(int a, int b) -> std::size_t { return static_cast<std::size_t>(a) * static_cast<std::size_t>(b); }
+  static constexpr auto sq(int a, int b) -> std::size_t {
+    return static_cast<std::size_t>(a) * static_cast<std::size_t>(b);
+  }
   auto at(std::size_t off) const -> float const* { return w_.data() + off; }
   auto at(std::size_t off, int layer, std::size_t per_layer) const -> float const* {
-    ::kvq::detail::check<index_error>(layer >= 0 && layer < cfg_.n_layers,
-                                      "llama2c: layer " + std::to_string(layer) + " is out of range [0, " +
-                                          std::to_string(cfg_.n_layers) + ")");
+    ::kvq::detail::check<index_error>(
+        layer >= 0 && layer < cfg_.n_layers,
+        "llama2c: layer " + std::to_string(layer) + " is out of range [0, " + std::to_string(cfg_.n_layers) + ")");
     return w_.data() + off + static_cast<std::size_t>(layer) * per_layer;
   }
 
@@ -263,8 +267,9 @@ inline auto load_model(std::string const& path) -> model {
   unsigned char hdr[header_bytes] = {};
   detail::read_exact(in, hdr, std::min<u64>(size, header_bytes), path, "model");
   if (std::memcmp(hdr, "ak42", 4) == 0 || detail::le_u32(hdr) == 0x616b3432u)
-    fail("starts with the magic 'ak42' of llama2.c's newer export versions; only the legacy version-0 format "
-         "(no magic, 7 int32 header) is supported");
+    fail(
+        "starts with the magic 'ak42' of llama2.c's newer export versions; only the legacy version-0 format "
+        "(no magic, 7 int32 header) is supported");
   if (size < header_bytes) fail("file too short for the 28-byte header (" + std::to_string(size) + " bytes)");
 
   std::int32_t f[7];
@@ -297,8 +302,8 @@ inline auto load_model(std::string const& path) -> model {
   if (c.head_dim() % 2 != 0)
     fail("head_dim = dim / n_heads = " + std::to_string(c.head_dim()) + " is odd (RoPE rotates pairs)");
   if (c.n_heads % c.n_kv_heads != 0)
-    fail("header field n_kv_heads = " + std::to_string(c.n_kv_heads) + " does not divide n_heads = " +
-         std::to_string(c.n_heads));
+    fail("header field n_kv_heads = " + std::to_string(c.n_kv_heads) +
+         " does not divide n_heads = " + std::to_string(c.n_heads));
 
   // Tensor sizes in floats, overflow-checked (the limits above keep them far from 2^64, but the
   // arithmetic does not rely on it).
@@ -338,7 +343,9 @@ inline auto load_model(std::string const& path) -> model {
     u64& sum = i < n_weights ? weights : (tensors[i].weight ? wcls : tables);
     ok = ok && detail::add(sum, tensors[i].floats, sum);
   }
-  auto bytes_of = [&](u64 floats, u64& out) { return detail::mul(floats, 4, out) && detail::add(out, header_bytes, out); };
+  auto bytes_of = [&](u64 floats, u64& out) {
+    return detail::mul(floats, 4, out) && detail::add(out, header_bytes, out);
+  };
   u64 with_tables = 0, without_tables = 0, all = 0;
   u64 f_with = 0;
   ok = ok && detail::add(weights, tables, f_with) && bytes_of(f_with, with_tables) && bytes_of(weights, without_tables);
@@ -354,9 +361,9 @@ inline auto load_model(std::string const& path) -> model {
       keep_tables = false;
     } else {
       fail("size " + std::to_string(size) + " bytes does not match the header (dim " + std::to_string(c.dim) +
-           ", hidden_dim " + std::to_string(c.hidden_dim) + ", n_layers " + std::to_string(c.n_layers) +
-           ", n_heads " + std::to_string(c.n_heads) + ", n_kv_heads " + std::to_string(c.n_kv_heads) +
-           ", vocab_size " + std::to_string(vocab) + ", seq_len " + std::to_string(c.seq_len) + "): expected " +
+           ", hidden_dim " + std::to_string(c.hidden_dim) + ", n_layers " + std::to_string(c.n_layers) + ", n_heads " +
+           std::to_string(c.n_heads) + ", n_kv_heads " + std::to_string(c.n_kv_heads) + ", vocab_size " +
+           std::to_string(vocab) + ", seq_len " + std::to_string(c.seq_len) + "): expected " +
            std::to_string(with_tables) + " bytes (with the RoPE tables) or " + std::to_string(without_tables) +
            " (without) — truncated or not a llama2.c version-0 file?");
     }
@@ -545,9 +552,9 @@ class tokenizer {
 /// Raises invalid_argument_error for vocab_size outside [1, 10^6], io_error, or format_error.
 inline auto load_tokenizer(std::string const& path, int vocab_size) -> tokenizer {
   using detail::u64;
-  ::kvq::detail::check<invalid_argument_error>(vocab_size >= 1 && vocab_size <= 1000000,
-                                               "load_tokenizer: vocab_size = " + std::to_string(vocab_size) +
-                                                   " must be in [1, 1000000]");
+  ::kvq::detail::check<invalid_argument_error>(
+      vocab_size >= 1 && vocab_size <= 1000000,
+      "load_tokenizer: vocab_size = " + std::to_string(vocab_size) + " must be in [1, 1000000]");
   auto fail = [&](std::string const& why) {
     ::kvq::detail::raise<format_error>("tokenizer file '" + path + "': " + why);
   };
@@ -560,8 +567,7 @@ inline auto load_tokenizer(std::string const& path, int vocab_size) -> tokenizer
 
   if (size < 4) fail("file too short for the 4-byte max_token_length (" + std::to_string(size) + " bytes)");
   std::int32_t const max_len = detail::le_i32(buf.data());
-  if (max_len < 1 || max_len > 65536)
-    fail("max_token_length = " + std::to_string(max_len) + " is outside [1, 65536]");
+  if (max_len < 1 || max_len > 65536) fail("max_token_length = " + std::to_string(max_len) + " is outside [1, 65536]");
   tokenizer t;
   t.max_len_ = max_len;
   t.pieces_.reserve(static_cast<std::size_t>(vocab_size));
@@ -569,14 +575,15 @@ inline auto load_tokenizer(std::string const& path, int vocab_size) -> tokenizer
   std::size_t pos = 4;
   for (int i = 0; i < vocab_size; ++i) {
     if (size - pos < 8)
-      fail("truncated at token " + std::to_string(i) + " of " + std::to_string(vocab_size) + ": its score and length need 8 bytes at offset " +
-           std::to_string(pos) + ", " + std::to_string(size - pos) + " left");
+      fail("truncated at token " + std::to_string(i) + " of " + std::to_string(vocab_size) +
+           ": its score and length need 8 bytes at offset " + std::to_string(pos) + ", " + std::to_string(size - pos) +
+           " left");
     float const score = detail::le_f32(buf.data() + pos);
     std::int32_t const len = detail::le_i32(buf.data() + pos + 4);
     if (std::isnan(score)) fail("token " + std::to_string(i) + " has a NaN score (offset " + std::to_string(pos) + ")");
     if (len < 0 || len > max_len)
-      fail("token " + std::to_string(i) + " has length " + std::to_string(len) + " outside [0, max_token_length = " +
-           std::to_string(max_len) + "] (offset " + std::to_string(pos + 4) + ")");
+      fail("token " + std::to_string(i) + " has length " + std::to_string(len) +
+           " outside [0, max_token_length = " + std::to_string(max_len) + "] (offset " + std::to_string(pos + 4) + ")");
     pos += 8;
     if (size - pos < static_cast<u64>(len))
       fail("truncated in token " + std::to_string(i) + ": its " + std::to_string(len) + " bytes at offset " +
@@ -773,6 +780,61 @@ class engine {
     return pass_.logits();
   }
 
+  /// Runs the tokens of a chunk at positions pos, pos + 1, ... as one prefill step: per layer, the
+  /// chunk's keys and values are appended in one call and its queries attend in one multi-token
+  /// attention (kvq::attention, causal). Returns the logits (tokens.size(), vocab_size), valid
+  /// until the next call. Positions as forward (pos = the tokens in the cache, the chunk within
+  /// seq_len); otherwise index_error, and nothing changes.
+  auto forward_chunk(std::span<int const> tokens, int pos) -> std::vector<float> const& {
+    config const& c = model_->config();
+    auto const n = static_cast<int>(tokens.size());
+    ::kvq::detail::check<index_error>(pos >= 0 && n >= 1 && n <= c.seq_len - pos,
+                                      "llama2c::engine::forward_chunk: positions [" + std::to_string(pos) + ", " +
+                                          std::to_string(pos + n) +
+                                          ") are outside [0, seq_len = " + std::to_string(c.seq_len) + ") or empty");
+    for (int t : tokens)
+      ::kvq::detail::check<index_error>(
+          t >= 0 && t < c.vocab_size,
+          "llama2c::engine::forward_chunk: token " + std::to_string(t) + " is outside the vocabulary");
+    for (int l = 0; l < c.n_layers; ++l)
+      ::kvq::detail::check<index_error>(cache_->size(l) == pos, "llama2c::engine::forward_chunk: position " +
+                                                                    std::to_string(pos) + " but the cache holds " +
+                                                                    std::to_string(cache_->size(l)) + " tokens");
+    int const hd = c.head_dim();
+    auto const un = static_cast<std::size_t>(n);
+    auto const q_size = static_cast<std::size_t>(c.dim), kv_size = static_cast<std::size_t>(c.kv_dim());
+    while (chunk_passes_.size() < un) chunk_passes_.emplace_back(*model_);
+    chunk_q_.resize(un * q_size);
+    chunk_att_.resize(un * q_size);
+    chunk_k_.resize(un * kv_size);
+    chunk_v_.resize(un * kv_size);
+    for (std::size_t i = 0; i < un; ++i) chunk_passes_[i].begin(tokens[i], pos + static_cast<int>(i));
+    for (int l = 0; l < c.n_layers; ++l) {
+      for (std::size_t i = 0; i < un; ++i) {
+        forward_pass& p = chunk_passes_[i];
+        p.qkv(l);
+        std::copy(p.q().begin(), p.q().end(), chunk_q_.begin() + static_cast<std::ptrdiff_t>(i * q_size));
+        std::copy(p.k().begin(), p.k().end(), chunk_k_.begin() + static_cast<std::ptrdiff_t>(i * kv_size));
+        std::copy(p.v().begin(), p.v().end(), chunk_v_.begin() + static_cast<std::ptrdiff_t>(i * kv_size));
+      }
+      cache_->append(l, token_major(chunk_k_.data(), n, c.n_kv_heads, hd),
+                     token_major(chunk_v_.data(), n, c.n_kv_heads, hd));
+      cache_->attention(l, chunk_q_.data(), n, c.n_heads, chunk_att_.data(), attention_);
+      for (std::size_t i = 0; i < un; ++i) {
+        auto att = chunk_passes_[i].att();
+        std::copy_n(chunk_att_.begin() + static_cast<std::ptrdiff_t>(i * q_size), q_size, att.begin());
+        chunk_passes_[i].finish_layer(l);
+      }
+    }
+    auto const vocab = static_cast<std::size_t>(c.vocab_size);
+    chunk_logits_.resize(un * vocab);
+    for (std::size_t i = 0; i < un; ++i) {
+      auto const& lg = chunk_passes_[i].logits();
+      std::copy(lg.begin(), lg.end(), chunk_logits_.begin() + static_cast<std::ptrdiff_t>(i * vocab));
+    }
+    return chunk_logits_;
+  }
+
   /// Empties the cache (the next forward is at position 0).
   void reset() { cache_->reset(); }
   /// Tokens in the cache (the next position).
@@ -795,6 +857,8 @@ class engine {
   attention_options attention_;
   forward_pass pass_;
   std::unique_ptr<any_cache> cache_;
+  std::vector<forward_pass> chunk_passes_;  // one per token of the largest chunk so far
+  std::vector<float> chunk_q_, chunk_k_, chunk_v_, chunk_att_, chunk_logits_;
 };
 
 /// Index of the largest logit (the first on ties), as run.c's argmax.
@@ -821,9 +885,10 @@ inline void log_softmax(std::span<float const> logits, std::vector<double>& out)
 /// `prompt`, then each argmax. Returns every token after prompt[0] (prompt tail and generated
 /// tokens); stops early, without it, when BOS is predicted after the prompt.
 inline auto greedy(engine& e, int steps, std::vector<int> const& prompt = {token_bos}) -> std::vector<int> {
-  ::kvq::detail::check<invalid_argument_error>(steps >= 0, "llama2c::greedy: steps = " + std::to_string(steps) +
-                                                               " is negative");
-  ::kvq::detail::check<invalid_argument_error>(!prompt.empty(), "llama2c::greedy: the prompt is empty (start with BOS)");
+  ::kvq::detail::check<invalid_argument_error>(steps >= 0,
+                                               "llama2c::greedy: steps = " + std::to_string(steps) + " is negative");
+  ::kvq::detail::check<invalid_argument_error>(!prompt.empty(),
+                                               "llama2c::greedy: the prompt is empty (start with BOS)");
   steps = std::min(steps, e.get_model().config().seq_len);
   e.reset();
   std::vector<int> out;
@@ -872,11 +937,11 @@ struct perplexity_result {
 
 /// One scored position, as handed to a perplexity observer.
 struct scored_position {
-  int story = 0;                   ///< index of the story
-  int pos = 0;                     ///< position whose logits predict `target` (0 = BOS)
-  int target = 0;                  ///< the token at pos + 1
-  std::span<float const> logits;   ///< the engine's logits (valid during the call only)
-  std::span<double const> logp;    ///< log-softmax of the logits, in double (same lifetime)
+  int story = 0;                  ///< index of the story
+  int pos = 0;                    ///< position whose logits predict `target` (0 = BOS)
+  int target = 0;                 ///< the token at pos + 1
+  std::span<float const> logits;  ///< the engine's logits (valid during the call only)
+  std::span<double const> logp;   ///< log-softmax of the logits, in double (same lifetime)
 };
 
 /// Called for every scored position, in order (e.g. to compare with a reference run, or for
@@ -906,22 +971,39 @@ inline auto story_tokens(model const& m, tokenizer const& tok, std::string_view 
 /// 1..m−1 from their prefixes are scored; the NLL is averaged over all scored tokens.
 /// Log-softmax and sums in double. Raises invalid_argument_error when nothing can be scored or the
 /// tokenizer does not match the model.
-inline auto perplexity(engine& e, tokenizer const& tok, std::string const& text, position_observer const& observe = {})
-    -> perplexity_result {
+/// With chunk > 1, each story is prefilled in chunks of `chunk` tokens (engine::forward_chunk:
+/// one append and one multi-token attention per layer and chunk) and every position is scored from
+/// its chunk's logits; with a codec whose stored tokens do not depend on when they are attended
+/// (all but KIVI, whose residual is flushed by the chunk's later tokens) the result equals the
+/// token-by-token one within fp32 noise.
+inline auto perplexity(engine& e, tokenizer const& tok, std::string const& text, position_observer const& observe = {},
+                       int chunk = 1) -> perplexity_result {
+  ::kvq::detail::check<invalid_argument_error>(chunk >= 1, "llama2c::perplexity: chunk must be >= 1");
   auto const stories = story_tokens(e.get_model(), tok, text);
+  auto const vocab = static_cast<std::size_t>(e.get_model().config().vocab_size);
   perplexity_result r;
   double sum = 0.0;
   std::vector<double> logp;
+  std::vector<float> row;
   for (std::size_t s = 0; s < stories.size(); ++s) {
     auto const& ids = stories[s];
     e.reset();
-    for (std::size_t p = 0; p + 1 < ids.size(); ++p) {
-      auto const& logits = e.forward(ids[p], static_cast<int>(p));
-      log_softmax(logits, logp);
-      int const target = ids[p + 1];
-      sum -= logp[static_cast<std::size_t>(target)];
-      ++r.tokens;
-      if (observe) observe({static_cast<int>(s), static_cast<int>(p), target, logits, logp});
+    for (std::size_t p0 = 0; p0 + 1 < ids.size(); p0 += static_cast<std::size_t>(chunk)) {
+      std::size_t const n = std::min(static_cast<std::size_t>(chunk), ids.size() - 1 - p0);
+      std::vector<float> const* rows = nullptr;
+      if (chunk > 1) rows = &e.forward_chunk(std::span<int const>(ids.data() + p0, n), static_cast<int>(p0));
+      for (std::size_t i = 0; i < n; ++i) {
+        std::size_t const p = p0 + i;
+        if (rows != nullptr)
+          row.assign(rows->begin() + static_cast<std::ptrdiff_t>(i * vocab),
+                     rows->begin() + static_cast<std::ptrdiff_t>((i + 1) * vocab));
+        auto const& logits = rows != nullptr ? row : e.forward(ids[p], static_cast<int>(p));
+        log_softmax(logits, logp);
+        int const target = ids[p + 1];
+        sum -= logp[static_cast<std::size_t>(target)];
+        ++r.tokens;
+        if (observe) observe({static_cast<int>(s), static_cast<int>(p), target, logits, logp});
+      }
     }
     ++r.stories;
   }

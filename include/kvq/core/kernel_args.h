@@ -179,14 +179,14 @@ struct kvq_attention_args {
   float softcap;        ///< > 0: logit = softcap * tanh(logit / softcap)
   int32_t query_q8_0;   ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
   int32_t probs_f16;    ///< 1: probabilities are rounded to f16 before they multiply V
-  uint64_t page_bytes;    ///< paged: bytes between consecutive pages of the pool
-  int32_t page_tokens;    ///< paged: tokens per page; 0 for a flat cache (one region per layer)
-  int32_t n_q;            ///< query tokens per sequence (1: decode)
-  int32_t causal;         ///< 1: query token i attends no token past its position
-  int32_t window;         ///< > 0: query token i attends only the `window` tokens up to its position
-  int32_t mask;           ///< kvq_mask_type of the mask buffer
+  uint64_t page_bytes;  ///< paged: bytes between consecutive pages of the pool
+  int32_t page_tokens;  ///< paged: tokens per page; 0 for a flat cache (one region per layer)
+  int32_t n_q;          ///< query tokens per sequence (1: decode)
+  int32_t causal;       ///< 1: query token i attends no token past its position
+  int32_t window;       ///< > 0: query token i attends only the `window` tokens up to its position
+  int32_t mask;         ///< kvq_mask_type of the mask buffer
   int32_t reserved;
-  uint64_t mask_stride;   ///< elements between the mask rows of consecutive query tokens
+  uint64_t mask_stride;  ///< elements between the mask rows of consecutive query tokens
 };
 static_assert(sizeof(kvq_attention_args) == 216, "kvq_attention_args must be 216 bytes on every compiler");
 

@@ -862,7 +862,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         }
         float s = dot * a.scale;
         if (a.softcap > 0.0f) s = a.softcap * tanh_f32(s / a.softcap);
-        if (a.mask == 77) s += reinterpret_cast<KVQ_GLOBAL const float*>(mask)[mrow];
+        if (a.mask == kvq_mask_additive) s += reinterpret_cast<KVQ_GLOBAL const float*>(mask)[mrow];
         p_s[g * T + i] = s;
       }
     }
@@ -960,7 +960,7 @@ KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const fl
     m = mm;
   }
   const i64 oi = (static_cast<i64>(b) * a.q_heads + h) * a.head_dim + c;
-  const float sink = a.sinks > 99999 ? sinks[0] : ninf;
+  const float sink = a.sinks > 0 ? sinks[h % a.sinks] : ninf;
   if (l == 0.0f || sink == ninf) {
     out[oi] = l == 0.0f ? 0.0f : o * (1.0f / l);
     return;

@@ -129,7 +129,9 @@ struct attention_scratch {
   detail::vector<float> saved;           // (group, head_dim)
   detail::vector<float> special_values;  // (tile, head_dim)
   detail::vector<char> special;          // (group)
+  detail::vector<float> dense;           // (tile, head_dim): values decoded once for many rows
   void reserve(int head_dim, int group) {
+    dense.resize(static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim));
     special_values.resize(static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim));
     std::size_t const td = static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim);
     keys.resize(td);
@@ -154,6 +156,9 @@ struct simd_attention {
   using vm = typename V::vm;
   static constexpr int W = V::W;
   static constexpr int T = attention_kernel_tile;
+  /// From this many query rows on (heads, or tokens x heads), a tile's keys and values are decoded
+  /// once into f32 rows instead of in registers for every four rows.
+  static constexpr int many_rows = 8;
 
   // ---------------------------------------------------------------------------------------------
   // Element helpers
@@ -684,10 +689,13 @@ struct simd_attention {
               return;
             }
           }
-          if (std::is_same_v<decltype(rows.prepare(0, 0)), no_prep> || call.group % H4 == 0) {
+          constexpr bool scaled = !std::is_same_v<decltype(rows.prepare(0, 0)), no_prep>;
+          bool const decode_once =
+              !std::is_same_v<loader, f32_rows> && (call.group >= many_rows || (scaled && call.group % H4 != 0));
+          if (!decode_once) {
             // Each key vector decoded in registers once for H4 heads (W / H4 tokens at a time).
             dot_rows(q, d, call.group, rows, m, i, logits);
-          } else {  // scaled codes: decode once into the f32 tile (the dot's registers go to the tokens)
+          } else {  // many rows, or scaled codes: decode once into the f32 tile (the dot's registers go to the tokens)
             float* const buf = s.keys.data();
             decode_rows<loader>(rows, m, d, buf);
             std::uint8_t const* ptrs[T];
@@ -930,7 +938,16 @@ struct simd_attention {
         }
       }
       with_value_rows<VC>(v, vp, d, tb, n, s, tr, [&](auto const& rows, int first, int m) {
-        accumulate(state.out, d, group, s.probs.data(), first, rows, m);
+        using loader = std::decay_t<decltype(rows)>;
+        if (group >= many_rows && !std::is_same_v<loader, f32_rows>) {  // decoded once for the many rows
+          decode_rows<loader>(rows, m, d, s.dense.data());
+          std::uint8_t const* ptrs[T];
+          for (int r = 0; r < m; ++r)
+            ptrs[r] = reinterpret_cast<std::uint8_t const*>(s.dense.data() + static_cast<std::ptrdiff_t>(r) * d);
+          accumulate(state.out, d, group, s.probs.data(), first, f32_rows{ptrs}, m);
+        } else {
+          accumulate(state.out, d, group, s.probs.data(), first, rows, m);
+        }
         if (any_special) {  // the tile's value rows as f32, for the per-token path
           for (int r = 0; r < m; ++r) {
             float* y = s.special_values.data() + static_cast<std::ptrdiff_t>(first + r) * d;

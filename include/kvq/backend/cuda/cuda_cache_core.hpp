@@ -334,8 +334,8 @@ class cuda_cache_core : public cache_codecs<Choice> {
   /// workspace.
   void attention(int layer, float const* q, std::int64_t n_q, int q_heads, float* out, attention_options const& opt,
                  stream_type stream) {
-    detail::cuda_attention_tokens<Choice, Runtime>(*this, layer, q, n_q, q_heads, out, opt,
-                                                   core_.device().workspace(), stream);
+    detail::cuda_attention_tokens<Choice, Runtime>(*this, layer, q, n_q, q_heads, out, opt, core_.device().workspace(),
+                                                   stream);
   }
 
   /// Waits for `stream` and reports any failure of the work queued so far as device_error; a
@@ -526,8 +526,8 @@ void cuda_attention_tokens(cuda_cache_core<Choice, Runtime>& c, int layer, float
   if (n_q == 0) return;
   bool const q8 = opt.query == query_precision::q8_0;
   auto const dev = cache::attention_device(c.runtime(), c.get_options());
-  auto const launches =
-      plan_query_launches(kopt, n_q, first, len, shape.kv_heads, d, [&](int tokens, std::int64_t span, attention_plan& p) {
+  auto const launches = plan_query_launches(
+      kopt, n_q, first, len, shape.kv_heads, d, [&](int tokens, std::int64_t span, attention_plan& p) {
         return plan_attention(d, shape.kv_heads, q_heads, 1, span, q8, dev, p, tokens);
       });
   std::size_t scratch_floats = 0;

@@ -31,8 +31,9 @@ inline constexpr char const* metal_kernels_source_pieces[] = {
 //   kvq_encode_key_tiles  encode KIVI key tiles (per channel over G tokens) into the cache
 //   kvq_store_f16_rows    store rows as f16 into the KIVI key residual / value window
 //   kvq_decode            decode a token range of one kv_head to f32, f16 or bf16
-//   kvq_attention_partial partial attention state per (kv_head, split of the context)
-//   kvq_attention_combine merge the splits and normalise
+//   kvq_attention_partial partial attention state per (kv_head and its rows, split of the context);
+//                         buffer 8: the custom mask rows of a multi-token attention (else unused)
+//   kvq_attention_combine merge the splits and normalise; buffer 5: the sinks (else unused)
 // The codec is a function constant (index 0; index 1 is the value codec of the attention), so
 // each pipeline is specialised and the codec switches of the bodies fold away. Grids are
 // one-dimensional (the bodies take a linear thread index and bounds-check it), except the
@@ -77,8 +78,8 @@ using namespace metal;
 //   store_f16_rows_thread    one element of the KIVI key residual / value window (f16)
 //   decode_thread            one element of a token range of one kv_head, to f32, f16 or bf16
 //   attention_block          one block of flash-decoding attention: (split, kv_head and chunk of
-//                            its query heads) of one sequence
-//   combine_thread           merges the splits of one (sequence, query head, channel)
+//                            its rows: query tokens x query heads) of one sequence
+//   combine_thread           merges the splits of one (sequence, row, channel), sinks included
 // A `*_thread` function takes the linear index of its thread in a one-dimensional grid of
 // write_step::threads (or the decode / combine count) threads and returns at once past the end.
 
@@ -285,14 +286,14 @@ KVQ_HOST_DEVICE float add_rn(float a, float b) {
 
 /// Returns a * b + c: fused (one rounding) where the target has a fused multiply-add, else the
 /// product rounded and then the sum; never left to the compiler's contraction flags, so a build
-/// gives the same result with -ffp-contract=off and =fast.
+)kvq_msl",
+    R"kvq_msl(/// gives the same result with -ffp-contract=off and =fast.
 KVQ_HOST_DEVICE float madd_f32(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
   return __fmaf_rn(a, b, c);
 #elif defined(__METAL_VERSION__)
   return fma(a, b, c);
-)kvq_msl",
-    R"kvq_msl(#elif defined(__GNUC__) && (defined(__FP_FAST_FMAF) || defined(__FMA__) || defined(__ARM_FEATURE_FMA))
+#elif defined(__GNUC__) && (defined(__FP_FAST_FMAF) || defined(__FMA__) || defined(__ARM_FEATURE_FMA))
   return __builtin_fmaf(a, b, c);
 #else
   return fp_barrier(a * b) + c;
@@ -583,15 +584,15 @@ KVQ_HOST_DEVICE int fp4_code(float x, float h) {
 
 #if !defined(__METAL_VERSION__)  // host code only (a Metal pointer parameter needs an address space)
 /// fp4_code(x, h) with the 16 candidate values K[i] * h precomputed in `table` (same code).
-KVQ_HOST_DEVICE int fp4_code_table(float x, const float* table) {
+)kvq_msl",
+    R"kvq_msl(KVQ_HOST_DEVICE int fp4_code_table(float x, const float* table) {
   int best = 0;
   float best_err = abs_f32(add_rn(0.0f, -x));
   for (int i = 1; i < 16; ++i) {
     const float err = abs_f32(add_rn(table[i], -x));
     if (err < best_err) {
       best = i;
-)kvq_msl",
-    R"kvq_msl(      best_err = err;
+      best_err = err;
     }
   }
   return best;
@@ -855,7 +856,8 @@ KVQ_CONSTEXPR_VAR u32 int8_poisoned_scale_bits = 0x7fc00000u;
 /// int8 scale from the row's amax: amax / 127.
 KVQ_HOST_DEVICE float int8_scale(float amax) { return div_rn(amax, 127.0f); }
 
-/// int8 code of x for a non-zero finite scale: clamp(rne(x / scale), -127, 127).
+)kvq_msl",
+    R"kvq_msl(/// int8 code of x for a non-zero finite scale: clamp(rne(x / scale), -127, 127).
 KVQ_HOST_DEVICE int int8_code(float x, float scale) {
   float q = div_rn(x, scale);
   q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
@@ -863,8 +865,7 @@ KVQ_HOST_DEVICE int int8_code(float x, float scale) {
 }
 
 /// Decoded value of an int8 code: q * scale.
-)kvq_msl",
-    R"kvq_msl(KVQ_HOST_DEVICE float int8_value(int q, float scale) { return static_cast<float>(q) * scale; }
+KVQ_HOST_DEVICE float int8_value(int q, float scale) { return static_cast<float>(q) * scale; }
 
 }  // namespace detail
 KVQ_NAMESPACE_END
@@ -1109,7 +1110,8 @@ struct kvq_decode_args {
   kvq_region src;
   uint64_t out_stride;
   int32_t head_dim;
-  int32_t head;
+)kvq_msl",
+    R"kvq_msl(  int32_t head;
   int32_t first;
   int32_t count;
   int32_t out_type;
@@ -1118,28 +1120,41 @@ struct kvq_decode_args {
 static_assert(sizeof(kvq_decode_args) == 96, "kvq_decode_args must be 96 bytes on every compiler");
 
 /// One sequence of an attention launch: the codec state of its layer, its attended tokens and,
-)kvq_msl",
-    R"kvq_msl(/// in a paged cache, its page table and residual rows.
+/// in a paged cache, its page table and residual rows.
 struct kvq_attention_seq {
   int32_t key_quantized;         ///< the key region's `quantized`
   int32_t value_quantized;       ///< the value region's `quantized`
   int32_t value_residual_first;  ///< the value region's `residual_first`
-  int32_t begin;                 ///< first attended token
-  int32_t end;                   ///< one past the last attended token
+  int32_t begin;                 ///< first attended token (of any query token)
+  int32_t end;                   ///< one past the last attended token (of any query token)
   int32_t pages_first;           ///< paged: index of the sequence's first page id in the page-table buffer
+  int32_t length;                ///< tokens of the sequence's layer (the end of an unmasked query's range)
+  int32_t first_pos;             ///< position of the launch's query token 0 (decode: length - 1)
   uint64_t key_residual0;        ///< the key region's `residual0` (paged: the sequence's residual slot)
   uint64_t value_residual0;      ///< the value region's `residual0`
 };
-static_assert(sizeof(kvq_attention_seq) == 40, "kvq_attention_seq must be 40 bytes on every compiler");
+static_assert(sizeof(kvq_attention_seq) == 48, "kvq_attention_seq must be 48 bytes on every compiler");
 
-/// Arguments of the partial attention kernel (flash decoding, one query token per sequence).
+/// Custom mask of a multi-token attention (kvq_attention_args::mask).
+enum kvq_mask_type : int32_t {
+  kvq_mask_none = 0,
+  kvq_mask_additive = 1,  ///< f32 added to the logits (-Inf excludes)
+  kvq_mask_boolean = 2,   ///< bytes: 0 excludes the token
+};
+
+/// Arguments of the partial attention kernel (flash decoding over n_q query tokens per sequence).
 ///
-/// Blocks (splits, kv_heads * chunks, sequences); block (s, y) of a sequence attends query heads
-/// [kv * group + chunk * heads, ... + heads) of kv_head kv = y / chunks (chunk = y % chunks,
-/// group = q_heads / kv_heads) to its tokens [begin + s * split_tokens, min(end, ... +
-/// split_tokens)), `tile` tokens at a time, and writes the unnormalised partial state of each
-/// head: out (splits, q_heads, head_dim), max and sum (splits, q_heads) per sequence. The query
-/// is (q_heads, head_dim) f32 per sequence.
+/// The rows of kv_head kv are the pairs (query token i, query head kv * group + g), row
+/// r = i * group + g (group = q_heads / kv_heads), n_q * group of them. Blocks (splits,
+/// kv_heads * chunks, sequences); block (s, y) of a sequence attends rows [chunk * heads, ... +
+/// heads) of kv_head kv = y / chunks (chunk = y % chunks) to its tokens [begin + s *
+/// split_tokens, min(end, ... + split_tokens)), `tile` tokens at a time, each row only to its own
+/// tokens: those of query token i at position p = first_pos + i are [max(0, p - window + 1) when
+/// window > 0, else 0; min(length, p + 1) when causal, else length), less those its custom mask
+/// row excludes (mask buffer: (n_q, mask_stride) f32 or bytes, column j = token j). It writes the
+/// unnormalised partial state of each row: out (splits, n_q * q_heads, head_dim), max and sum
+/// (splits, n_q * q_heads) per sequence, row (i, h) at i * q_heads + h. The query is (n_q,
+/// q_heads, head_dim) f32 per sequence.
 ///
 /// Paged caches (page_tokens > 0): token t of a sequence lives in page
 /// pages[pages_first + t / page_tokens] (the page-table buffer), whose units for kv_head h start
@@ -1162,20 +1177,28 @@ struct kvq_attention_args {
   int32_t probs_f16;    ///< 1: probabilities are rounded to f16 before they multiply V
   uint64_t page_bytes;  ///< paged: bytes between consecutive pages of the pool
   int32_t page_tokens;  ///< paged: tokens per page; 0 for a flat cache (one region per layer)
+  int32_t n_q;          ///< query tokens per sequence (1: decode)
+  int32_t causal;       ///< 1: query token i attends no token past its position
+  int32_t window;       ///< > 0: query token i attends only the `window` tokens up to its position
+  int32_t mask;         ///< kvq_mask_type of the mask buffer
   int32_t reserved;
+  uint64_t mask_stride;  ///< elements between the mask rows of consecutive query tokens
 };
-static_assert(sizeof(kvq_attention_args) == 192, "kvq_attention_args must be 192 bytes on every compiler");
+static_assert(sizeof(kvq_attention_args) == 216, "kvq_attention_args must be 216 bytes on every compiler");
 
-/// Arguments of the combine kernel: merges `splits` partial states per (sequence, query head) in
-/// split order and writes the normalised output (batch, q_heads, head_dim). Threads
-/// (batch, q_heads, head_dim).
+/// Arguments of the combine kernel: merges `splits` partial states per (sequence, row) in split
+/// order and writes the normalised output (batch, rows, head_dim), rows = q_heads (n_q * q_heads
+/// for n_q query tokens). With sinks > 0, row r's sink logit sinks[r % sinks] (the sink buffer,
+/// one per query head) joins its denominator. Threads (batch, rows, head_dim).
 struct kvq_combine_args {
-  int32_t q_heads;
+  int32_t q_heads;  ///< rows per sequence
   int32_t head_dim;
   int32_t splits;
   int32_t batch;
+  int32_t sinks;  ///< query heads of the sink buffer; 0: no sinks
+  int32_t reserved;
 };
-static_assert(sizeof(kvq_combine_args) == 16, "kvq_combine_args must be 16 bytes on every compiler");
+static_assert(sizeof(kvq_combine_args) == 24, "kvq_combine_args must be 24 bytes on every compiler");
 
 /// Offsets, in floats, of the block-shared arrays of the partial attention, and their total.
 struct kvq_attention_smem {
@@ -1229,10 +1252,12 @@ KVQ_HOST_DEVICE kvq_attention_smem kvq_attention_smem_layout(int32_t head_dim, i
 #  define KVQ_GLOBAL device
 #  define KVQ_SHARED threadgroup
 #  define KVQ_ARG(T) constant T&
+#  define KVQ_THREAD thread
 #else
 #  define KVQ_GLOBAL
 #  define KVQ_SHARED
 #  define KVQ_ARG(T) T const&
+#  define KVQ_THREAD
 #endif
 
 KVQ_NAMESPACE_BEGIN
@@ -1282,6 +1307,8 @@ KVQ_HOST_DEVICE float ld_f16(KVQ_GLOBAL const u8* p) { return kd::f16_bits_to_f3
 KVQ_HOST_DEVICE int sext8(unsigned b) { return static_cast<int>(b & 0xffu) - static_cast<int>((b & 0x80u) << 1); }
 
 KVQ_HOST_DEVICE int imin(int a, int b) { return a < b ? a : b; }
+
+KVQ_HOST_DEVICE int imax(int a, int b) { return a > b ? a : b; }
 
 KVQ_HOST_DEVICE float neg_inf() { return kd::f32_from_bits(0xff800000u); }
 
@@ -1338,7 +1365,8 @@ KVQ_HOST_DEVICE KVQ_GLOBAL const u8* residual_ptr(KVQ_GLOBAL const u8* layer, kv
   return layer + static_cast<i64>(r.residual0) + static_cast<i64>(h) * static_cast<i64>(r.residual_stride);
 }
 
-// ---- fp8: hardware where it matches the shared software path bit for bit ------------------------
+)kvq_msl",
+    R"kvq_msl(// ---- fp8: hardware where it matches the shared software path bit for bit ------------------------
 
 /// E4M3FN code of x / scale (detail/math_fp8.h). On CUDA sm_89 and later the saturating conversion
 /// of a non-NaN quotient is the hardware `cvt.rn.satfinite.e4m3x2.f32`, which rounds to nearest
@@ -1380,8 +1408,7 @@ KVQ_HOST_DEVICE float fp8_e4m3_decode(u8 code, float scale) {
 /// Value of an E5M2 code times scale (E5M2 is the top byte of an f16: a shift, on every device).
 KVQ_HOST_DEVICE float fp8_e5m2_decode(u8 code, float scale) { return kd::e5m2_to_f32_scaled(code, scale); }
 
-)kvq_msl",
-    R"kvq_msl(// ---- rows of input ---------------------------------------------------------------------------------
+// ---- rows of input ---------------------------------------------------------------------------------
 
 /// A row of head_dim input values: its first element, element type and whether values pass
 /// through f16 first. Rows of an f16 residual are rows of type f16.
@@ -1621,7 +1648,8 @@ KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq
       break;
     default:  // KIVI values
       encode_kivi_value(x, head_dim, b, r.group, kivi_bits(codec), row);
-      break;
+)kvq_msl",
+    R"kvq_msl(      break;
   }
 }
 
@@ -1658,8 +1686,7 @@ KVQ_HOST_DEVICE void encode_key_tile_at(int codec, KVQ_ARG(kvq_write_args) a, KV
       byte = kd::kivi_pack(byte, kd::kivi_code(row_value(batch_row(a, layer, input, h, j * g + t), c), s, m, bits), t,
                            bits);
     }
-)kvq_msl",
-    R"kvq_msl(    codes[k] = byte;
+    codes[k] = byte;
   }
 }
 
@@ -1835,7 +1862,8 @@ KVQ_HOST_DEVICE int attention_units_first(KVQ_ARG(kvq_attention_args) a, int t) 
 /// cache (page table `pages` from index `pages_first`).
 KVQ_HOST_DEVICE KVQ_GLOBAL const u8* attention_units(KVQ_ARG(kvq_attention_args) a, KVQ_GLOBAL const int32_t* pages,
                                                      int pages_first, KVQ_GLOBAL const u8* layer, kvq_region r, int kv,
-                                                     int t) {
+)kvq_msl",
+    R"kvq_msl(                                                     int t) {
   if (a.page_tokens > 0)
     layer += static_cast<i64>(pages[pages_first + t / a.page_tokens]) * static_cast<i64>(a.page_bytes);
   return region_ptr(layer, r, kv);
@@ -1851,14 +1879,38 @@ KVQ_HOST_DEVICE float attention_element(int codec, KVQ_ARG(kvq_attention_args) a
   return decode_element(codec, units, res, r, a.head_dim, t - first, c);
 }
 
+/// Tokens [*lo, *hi) that query token i of a multi-token attention attends (see
+/// kvq_attention_args), before its custom mask row; empty when *lo >= *hi.
+KVQ_HOST_DEVICE void query_range(KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq, int i, KVQ_THREAD int* lo,
+                                 KVQ_THREAD int* hi) {
+  const i64 pos = static_cast<i64>(sq.first_pos) + i;
+  i64 e = sq.length;
+  if (a.causal != 0 && pos + 1 < e) e = pos + 1;
+  i64 b = 0;
+  if (a.window > 0) {
+    b = pos - a.window + 1;
+    b = b < 0 ? 0 : (b > sq.length ? static_cast<i64>(sq.length) : b);
+  }
+  *lo = static_cast<int>(b);
+  *hi = static_cast<int>(e > b ? e : b);
+}
+
+/// Row r of kv_head kv (query token r / group, query head kv * group + r % group) among the rows
+/// of the partial states, (query token, query head) token-major: also its row in the query.
+KVQ_HOST_DEVICE i64 attention_row(KVQ_ARG(kvq_attention_args) a, int kv, int r) {
+  const int group = a.q_heads / a.kv_heads;
+  return static_cast<i64>(r / group) * a.q_heads + kv * group + r % group;
+}
+
 /// True for the bits of -0.0f, the probability that marks a token with logit -Inf (weight 0, and
 /// skipped in P·V as kvq::attend_range skips it, so 0 * Inf in V makes no NaN).
 KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u; }
 
 /// One block of the partial attention (see kvq_attention_args): split bx and y = by of one
-/// sequence `sq`, whose query is `query` (q_heads, head_dim) and whose partial states go to
-/// part_out (splits, q_heads, head_dim), part_max and part_sum (splits, q_heads). `smem` holds
-/// kvq_attention_smem_layout(...).total floats.
+/// sequence `sq`, whose query is `query` (n_q, q_heads, head_dim), whose custom mask rows are at
+/// `mask` (a.mask), and whose partial states go to part_out (splits, n_q * q_heads, head_dim),
+/// part_max and part_sum (splits, n_q * q_heads). `smem` holds kvq_attention_smem_layout(...).total
+/// floats; the smem "heads" are the block's rows.
 ///
 /// `Threads` is the backend's view of the block's threads: `th.count()` threads take part;
 /// the calling GPU thread runs the work of threads th.tid(k) for k in [0, th.lanes()) (one on a
@@ -1866,27 +1918,39 @@ KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u
 /// __syncthreads, a threadgroup_barrier, nothing on the CPU). Barriers are the one construct the
 /// languages do not share, so they come from the backend.
 ///
-/// Per tile of `tile` tokens: the keys are decoded once into block memory (or, for the integer
-)kvq_msl",
-    R"kvq_msl(/// dots of a q8_0 query with q8_0/q4_0 keys, read in place), one thread per (head, token) computes
-/// a logit, one thread per head the online softmax of the tile (token by token, as
-/// kvq::attend_range), and one thread per channel accumulates P·V, decoding every value once for
-/// all heads of the block. NaN/Inf as
-/// kvq::attend_range: a NaN or +Inf logit makes the head NaN, a -Inf logit weighs 0.
+/// Per tile of `tile` tokens (of the union of its rows' ranges): the keys are decoded once into
+/// block memory (or, for the integer dots of a q8_0 query with q8_0/q4_0 keys, read in place),
+/// one thread per (row, token) computes a logit (-Inf outside the row's tokens or where its mask
+/// excludes, plus its additive mask), one thread per row the online softmax of the tile (token by
+/// token, as kvq::attend_range), and one thread per channel accumulates P·V, decoding every value
+/// once for all rows of the block. NaN/Inf as kvq::attend_range: a NaN or +Inf logit makes the
+/// row NaN, a -Inf logit weighs 0.
 template <class Threads>
 KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq,
                                      KVQ_GLOBAL const u8* key_layer, KVQ_GLOBAL const u8* value_layer,
                                      KVQ_GLOBAL const int32_t* pages, KVQ_GLOBAL const float* query,
-                                     KVQ_GLOBAL float* part_out, KVQ_GLOBAL float* part_max, KVQ_GLOBAL float* part_sum,
-                                     KVQ_SHARED float* smem, int bx, int by, Threads th) {
+                                     KVQ_GLOBAL const u8* mask, KVQ_GLOBAL float* part_out, KVQ_GLOBAL float* part_max,
+                                     KVQ_GLOBAL float* part_sum, KVQ_SHARED float* smem, int bx, int by, Threads th) {
   const int hd = a.head_dim;
   const int group = a.q_heads / a.kv_heads;
   const int kv = by / a.chunks;
-  const int g0 = (by % a.chunks) * a.heads;
-  const int nh = imin(a.heads, group - g0);
-  const int h0 = kv * group + g0;
-  const int t_begin = sq.begin + bx * a.split_tokens;
-  const int t_end = imin(sq.end, t_begin + a.split_tokens);
+  const int g0 = (by % a.chunks) * a.heads;  // the block's first row
+  const int nh = imin(a.heads, a.n_q * group - g0);
+  const int rows = a.n_q * a.q_heads;  // rows of the partial states
+  // The tokens of the split, cut to the union of the rows' ranges.
+  int u_lo = sq.end;
+  int u_hi = sq.begin;
+  for (int i = g0 / group; i <= (g0 + nh - 1) / group; ++i) {
+    int lo = 0;
+    int hi = 0;
+    query_range(a, sq, i, &lo, &hi);
+    if (lo < hi) {
+      u_lo = imin(u_lo, lo);
+      u_hi = imax(u_hi, hi);
+    }
+  }
+  const int t_begin = imax(sq.begin + bx * a.split_tokens, u_lo);
+  const int t_end = imin(imin(sq.end, sq.begin + bx * a.split_tokens + a.split_tokens), u_hi);
   const int T = a.tile;
   const int nb = (hd + 31) / 32;
   const int kstride = hd + 1;
@@ -1917,7 +1981,6 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   KVQ_SHARED float* c_s = smem + L.corr;
   KVQ_SHARED float* qd_s = smem + L.qd;
   KVQ_SHARED int8_t* qc_s = reinterpret_cast<KVQ_SHARED int8_t*>(smem + L.qcodes);
-  KVQ_GLOBAL const float* qin = query + static_cast<i64>(h0) * hd;
 
   // The query heads of this block: as given, or rounded to q8_0 blocks as q8_0::encode_row and
   // decode_row do (codes kept for the integer dots).
@@ -1927,7 +1990,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
       for (int w = tid; w < nh * nb; w += nt) {
         const int g = w / nb;
         const int b = w % nb;
-        KVQ_GLOBAL const float* x = qin + static_cast<i64>(g) * hd;
+        KVQ_GLOBAL const float* x = query + attention_row(a, kv, g0 + g) * hd;
         const int c0 = 32 * b;
         const int n = imin(32, hd - c0);
         float amax = 0.0f;
@@ -1948,7 +2011,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         }
       }
     } else {
-      for (int w = tid; w < nh * hd; w += nt) q_s[w] = qin[w];
+      for (int w = tid; w < nh * hd; w += nt) q_s[w] = query[attention_row(a, kv, g0 + w / hd) * hd + w % hd];
     }
     for (int w = tid; w < nh * hd; w += nt) o_s[w] = 0.0f;
     for (int w = tid; w < nh; w += nt) {
@@ -1974,11 +2037,21 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
       th.barrier();
     }
 
-    // Logits, one thread per (head, token); consecutive threads take consecutive tokens.
+    // Logits, one thread per (row, token); consecutive threads take consecutive tokens.
     for (int k = 0; k < lanes; ++k) {
       for (int w = th.tid(k); w < nh * n; w += nt) {
         const int g = w / n;
         const int i = w - g * n;
+        const int qi = (g0 + g) / group;
+        int lo = 0;
+        int hi = 0;
+        query_range(a, sq, qi, &lo, &hi);
+        const i64 mrow = static_cast<i64>(qi) * static_cast<i64>(a.mask_stride) + t0 + i;
+        if (t0 + i < lo || t0 + i >= hi ||
+            (a.mask == kvq_mask_boolean && mask[mrow] == 0)) {  // outside the row's tokens
+          p_s[g * T + i] = ninf;
+          continue;
+        }
         float dot = 0.0f;
         if (int_dot) {
           const int t = t0 + i;
@@ -1992,6 +2065,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         }
         float s = dot * a.scale;
         if (a.softcap > 0.0f) s = a.softcap * tanh_f32(s / a.softcap);
+        if (a.mask == kvq_mask_additive) s += reinterpret_cast<KVQ_GLOBAL const float*>(mask)[mrow];
         p_s[g * T + i] = s;
       }
     }
@@ -2046,31 +2120,33 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         }
       }
     }
-    // No barrier here: the next tile writes k_s and p_s, whose readers finished before the
+)kvq_msl",
+    R"kvq_msl(    // No barrier here: the next tile writes k_s and p_s, whose readers finished before the
     // softmax barrier, and w_s and c_s only after its own logits barrier, which every thread
     // reaches after its P·V.
   }
   th.barrier();  // o_s channels are written out by other threads
 
-  // The partial state of every head of the block.
+  // The partial state of every row of the block.
   for (int k = 0; k < lanes; ++k) {
     const int tid = th.tid(k);
     for (int w = tid; w < nh * hd; w += nt) {
       const int g = w / hd;
-      part_out[(static_cast<i64>(bx) * a.q_heads + h0 + g) * hd + (w - g * hd)] = o_s[w];
+      part_out[(static_cast<i64>(bx) * rows + attention_row(a, kv, g0 + g)) * hd + (w - g * hd)] = o_s[w];
     }
     for (int g = tid; g < nh; g += nt) {
-      part_max[static_cast<i64>(bx) * a.q_heads + h0 + g] = m_s[g];
-      part_sum[static_cast<i64>(bx) * a.q_heads + h0 + g] = l_s[g];
+      part_max[static_cast<i64>(bx) * rows + attention_row(a, kv, g0 + g)] = m_s[g];
+      part_sum[static_cast<i64>(bx) * rows + attention_row(a, kv, g0 + g)] = l_s[g];
     }
   }
 }
 
-/// combine: channel c of query head h of sequence b. Merges the splits in order as kvq::combine
-/// and normalises as kvq::finalize (heads that attended nothing output 0).
+/// combine: channel c of row h of sequence b. Merges the splits in order as kvq::combine and
+/// normalises as kvq::finalize, with the row's sink (a.sinks > 0) joining the denominator (rows
+/// that attended nothing output 0).
 KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const float* part_out,
                                 KVQ_GLOBAL const float* part_max, KVQ_GLOBAL const float* part_sum,
-                                KVQ_GLOBAL float* out, int b, int h, int c) {
+                                KVQ_GLOBAL const float* sinks, KVQ_GLOBAL float* out, int b, int h, int c) {
   const float ninf = neg_inf();
   float m = ninf;
   float l = 0.0f;
@@ -2087,24 +2163,36 @@ KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const fl
     l = l * ca + lb * cb;
     m = mm;
   }
-  out[(static_cast<i64>(b) * a.q_heads + h) * a.head_dim + c] = l == 0.0f ? 0.0f : o * (1.0f / l);
+  const i64 oi = (static_cast<i64>(b) * a.q_heads + h) * a.head_dim + c;
+  const float sink = a.sinks > 0 ? sinks[h % a.sinks] : ninf;
+  if (l == 0.0f || sink == ninf) {
+    out[oi] = l == 0.0f ? 0.0f : o * (1.0f / l);
+    return;
+  }
+  // The sink's exp(sink - max) joins the sum, as kvq::detail::finalize_head.
+  const float mm = kd::is_nan_f32(m) ? m : (sink > m ? sink : m);
+  const float corr = exp_f32(m - mm);
+  l = kd::madd_f32(l, corr, exp_f32(sink - mm));
+  const float inv = 1.0f / l;
+  out[oi] = corr == 1.0f ? o * inv : kd::mul_rn(o, corr) * inv;
 }
 
-/// Thread `idx` of combine: threads (batch, q_heads, head_dim), channels fastest.
+/// Thread `idx` of combine: threads (batch, rows, head_dim), channels fastest.
 KVQ_HOST_DEVICE void combine_thread(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const float* part_out,
                                     KVQ_GLOBAL const float* part_max, KVQ_GLOBAL const float* part_sum,
-                                    KVQ_GLOBAL float* out, i64 idx) {
+                                    KVQ_GLOBAL const float* sinks, KVQ_GLOBAL float* out, i64 idx) {
   const i64 per_seq = static_cast<i64>(a.q_heads) * a.head_dim;
   if (idx >= per_seq * a.batch) return;
   const int b = static_cast<int>(idx / per_seq);
   const i64 rem = idx - static_cast<i64>(b) * per_seq;
   const int h = static_cast<int>(rem / a.head_dim);
-  combine_at(a, part_out, part_max, part_sum, out, b, h, static_cast<int>(rem - static_cast<i64>(h) * a.head_dim));
+  combine_at(a, part_out, part_max, part_sum, sinks, out, b, h,
+             static_cast<int>(rem - static_cast<i64>(h) * a.head_dim));
 }
 
 }  // namespace kernels
 KVQ_NAMESPACE_END
-#line 36 "kvq/backend/metal/kernels.metal"
+#line 37 "kvq/backend/metal/kernels.metal"
 
 #if !defined(KVQ_METAL_FUNCTION_CONSTANT)
 #  define KVQ_METAL_FUNCTION_CONSTANT(type, name, index) constant type name [[function_constant(index)]];
@@ -2136,8 +2224,7 @@ kernel void kvq_encode_rows(constant kvq_write_args& a [[buffer(0)]], device uch
 
 kernel void kvq_encode_key_tiles(constant kvq_write_args& a [[buffer(0)]], device uchar* layer [[buffer(1)]],
                                  device const uchar* input [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
-)kvq_msl",
-    R"kvq_msl(  kvq::kernels::encode_key_tiles_thread(kvq_codec, a, layer, input, long(gid));
+  kvq::kernels::encode_key_tiles_thread(kvq_codec, a, layer, input, long(gid));
 }
 
 kernel void kvq_store_f16_rows(constant kvq_write_args& a [[buffer(0)]], device uchar* layer [[buffer(1)]],
@@ -2155,6 +2242,7 @@ kernel void kvq_attention_partial(constant kvq_attention_args& a [[buffer(0)]],
                                   device const uchar* layer [[buffer(2)]], device const float* query [[buffer(3)]],
                                   device float* part_out [[buffer(4)]], device float* part_max [[buffer(5)]],
                                   device float* part_sum [[buffer(6)]], device const int* pages [[buffer(7)]],
+                                  device const uchar* mask [[buffer(8)]],
                                   threadgroup float* smem KVQ_METAL_THREADGROUP_BUFFER(0),
                                   uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                                   uint threads [[threads_per_threadgroup]]) {
@@ -2162,19 +2250,20 @@ kernel void kvq_attention_partial(constant kvq_attention_args& a [[buffer(0)]],
   th.n = int(threads);
   th.t = int(tid);
   const int b = int(tg.z);
-  const long q_per_seq = long(a.q_heads) * a.head_dim;
+  const long rows = long(a.n_q) * a.q_heads;
+  const long q_per_seq = rows * a.head_dim;
   const long part = long(b) * a.splits;
   kvq::kernels::attention_block(kvq_codec, kvq_value_codec, a, seqs[b], layer, layer, pages, query + b * q_per_seq,
-                                part_out + part * q_per_seq, part_max + part * a.q_heads, part_sum + part * a.q_heads,
-                                smem, int(tg.x), int(tg.y), th);
+                                mask, part_out + part * q_per_seq, part_max + part * rows, part_sum + part * rows, smem,
+                                int(tg.x), int(tg.y), th);
 }
 
 kernel void kvq_attention_combine(constant kvq_combine_args& a [[buffer(0)]],
                                   device const float* part_out [[buffer(1)]],
                                   device const float* part_max [[buffer(2)]],
                                   device const float* part_sum [[buffer(3)]], device float* out [[buffer(4)]],
-                                  uint gid [[thread_position_in_grid]]) {
-  kvq::kernels::combine_thread(a, part_out, part_max, part_sum, out, long(gid));
+                                  device const float* sinks [[buffer(5)]], uint gid [[thread_position_in_grid]]) {
+  kvq::kernels::combine_thread(a, part_out, part_max, part_sum, sinks, out, long(gid));
 }
 )kvq_msl",
 };

@@ -62,6 +62,7 @@ KVQ_NAMESPACE_END
 #  include "../../cache.hpp"
 #  include "../../core/cache_core.hpp"
 #  include "../../core/paged_core.hpp"
+#  include "../../core/query_launches.hpp"
 #  include "../../paged_cache.hpp"
 #  include "kernels_metal_src.hpp"
 
@@ -416,6 +417,32 @@ inline void metal_check_launch(metal_library& library, int head_dim, int kv_head
                                 });
 }
 
+/// Binds the sinks (q_heads floats of host memory; none when null) to buffer `index` of `enc` (the
+/// combine kernel's): as bytes when they fit setBytes, else in a staging buffer that `dev` keeps
+/// until its next wait. Without sinks a placeholder is bound (the kernel does not read it).
+inline void metal_bind_sinks(metal_device& dev, MTL::ComputeCommandEncoder* enc, float const* sinks, int q_heads,
+                             NS::UInteger index) {
+  std::size_t const bytes = static_cast<std::size_t>(q_heads) * sizeof(float);
+  if (sinks == nullptr) {
+    float const none = 0.0f;
+    enc->setBytes(&none, sizeof none, index);
+  } else if (bytes <= 4096) {
+    enc->setBytes(sinks, bytes, index);
+  } else {
+    metal_ref<MTL::Buffer> b(dev.library().device()->newBuffer(sinks, bytes, MTL::ResourceStorageModeShared));
+    check<error>(static_cast<bool>(b), "attention: allocating staging buffers failed");
+    enc->setBuffer(b.get(), 0, index);
+    dev.retire(std::move(b));
+  }
+}
+
+/// Binds a placeholder to the custom-mask buffer of the partial attention (index 8), which a
+/// launch without a custom mask does not read.
+inline void metal_bind_no_mask(MTL::ComputeCommandEncoder* enc) {
+  std::int32_t const none = 0;
+  enc->setBytes(&none, sizeof none, 8);
+}
+
 /// Reads `count` rows of head_dim elements T to host memory `out`, rows `stride` apart: `decode`
 /// encodes the core's read into a staging span (dense rows), then this waits for the GPU (through
 /// `core`, whose failure state a failed command buffer sets) and copies the rows out.
@@ -583,6 +610,7 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
   /// waits for the GPU. Same options and NaN/Inf rules as kvq::decode_attention.
   void attention(int layer, float const* q, int q_heads, float* out, attention_options const& opt = {}) {
     check_attention(layer, q_heads, opt);
+    detail::check_sinks(opt.sinks, q_heads);
     detail::check<shape_error>(q != nullptr && out != nullptr, "attention: the query or the output is null");
     detail::metal_pool pool;
     std::size_t const bytes = static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(shape().head_dim) * 4;
@@ -601,6 +629,7 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
   void attention(int layer, MTL::Buffer* q, std::size_t q_offset, int q_heads, MTL::Buffer* out, std::size_t out_offset,
                  attention_options const& opt = {}) {
     check_attention(layer, q_heads, opt);
+    detail::check_sinks(opt.sinks, q_heads);
     std::size_t const bytes = static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(shape().head_dim) * 4;
     detail::check<shape_error>(q != nullptr && out != nullptr && q_offset % 4 == 0 && out_offset % 4 == 0 &&
                                    q_offset + bytes <= q->length() && out_offset + bytes <= out->length(),
@@ -608,6 +637,103 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
     detail::metal_pool pool;
     auto const range = attention_range(layer, 0, size(layer), opt);
     encode_attention(layer, q, q_offset, q_heads, out, out_offset, range.first, range.second, opt, 0);
+  }
+
+  /// Attention of n_q query tokens over `layer` (chunked prefill, speculative verification), as the
+  /// CPU kvq::attention: q and out (n_q, q_heads, head_dim) f32, opt.mask_data and opt.sinks in
+  /// host memory; waits for the GPU. Same options, masks, errors and results (to fp32 rounding);
+  /// n_q = 1 with the defaults is this cache's decode attention exactly.
+  void attention(int layer, float const* q, std::int64_t n_q, int q_heads, float* out,
+                 attention_options const& opt = {}) {
+    core_.check_usable();
+    std::int64_t const len = size(layer);
+    int const d = shape().head_dim;
+    attention_options kopt;
+    std::int64_t const first = detail::check_query_tokens(opt, n_q, q_heads, shape().kv_heads, len, q, out, kopt);
+    if (n_q == 0) return;
+    detail::metal_pool pool;
+    auto& dev = core_.device();
+    MTL::ComputePipelineState* ps =
+        dev.pipeline(detail::metal_kernel::attention_partial, core_.key_side().codec, core_.value_side().codec);
+    MTL::ComputePipelineState* combine = dev.pipeline(detail::metal_kernel::attention_combine, 0, 0);
+    NS::UInteger const w = std::max<NS::UInteger>(ps->threadExecutionWidth(), 1);
+    NS::UInteger const threads =
+        std::max<NS::UInteger>(w, std::min<NS::UInteger>(opt_.threads, ps->maxTotalThreadsPerThreadgroup()) / w * w);
+    std::size_t const limit = dev.library().device()->maxThreadgroupMemoryLength();
+    std::size_t const smem = limit - std::min<std::size_t>(limit, ps->staticThreadgroupMemoryLength());
+    bool const q8 = opt.query == query_precision::q8_0;
+    auto const mdev = attention_device(d, smem, static_cast<std::uint32_t>(threads), 0);
+    auto const launches = detail::plan_query_launches(
+        kopt, n_q, first, len, shape().kv_heads, d, [&](int tokens, std::int64_t span, detail::attention_plan& p) {
+          return detail::plan_attention(d, shape().kv_heads, q_heads, 1, span, q8, mdev, p, tokens);
+        });
+    std::size_t scratch_floats = 0;
+    for (auto const& l : launches) scratch_floats = std::max(scratch_floats, l.plan.scratch_floats);
+    std::size_t const qd = static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(d);
+    std::size_t const total = static_cast<std::size_t>(n_q) * qd * 4;
+    bool const custom = opt.mask == mask_kind::additive || opt.mask == mask_kind::boolean;
+    std::size_t const elem = opt.mask == mask_kind::additive ? sizeof(float) : 1;
+    std::size_t const mask_row = static_cast<std::size_t>(kopt.mask_stride) * elem;
+    MTL::Device* device = dev.library().device();
+    detail::metal_ref<MTL::Buffer> qb(device->newBuffer(q, total, MTL::ResourceStorageModeShared));
+    detail::metal_ref<MTL::Buffer> ob(device->newBuffer(total, MTL::ResourceStorageModeShared));
+    detail::metal_ref<MTL::Buffer> mb;
+    if (custom)  // the rows up to the last one's len tokens
+      mb.reset(device->newBuffer(opt.mask_data,
+                                 static_cast<std::size_t>(n_q - 1) * mask_row + static_cast<std::size_t>(len) * elem,
+                                 MTL::ResourceStorageModeShared));
+    detail::check<error>(qb && ob && (mb || !custom), "attention: allocating staging buffers failed");
+    std::memset(ob->contents(), 0, total);  // the launches that attend nothing leave zeros
+    ensure_scratch(std::max<std::size_t>(scratch_floats, 1) * 4);
+    float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
+    MTL::ComputeCommandEncoder* enc = nullptr;
+    for (auto const& l : launches) {
+      if (l.plan.splits == 0) continue;
+      std::size_t const i0 = static_cast<std::size_t>(l.first);
+      std::size_t const rows = static_cast<std::size_t>(l.tokens) * static_cast<std::size_t>(q_heads);
+      std::size_t const parts = static_cast<std::size_t>(l.plan.splits) * rows;
+      std::size_t const o_max = parts * static_cast<std::size_t>(d) * 4;
+      std::size_t const o_sum = o_max + parts * 4;
+      kvq_attention_args a =
+          detail::attention_arguments(core_.key_side(), core_.value_side(), d, shape().kv_heads, q_heads, l.plan, scale,
+                                      opt.softcap, q8, opt.probabilities == probability_precision::f16);
+      detail::set_query_tokens(a, static_cast<int>(l.tokens), kopt, kopt.mask_stride);
+      kvq_attention_seq seq =
+          detail::attention_sequence(core_.key_side(), core_.value_side(), core_.state(layer), l.begin, l.end);
+      seq.first_pos = static_cast<std::int32_t>(first + l.first);
+      if (enc == nullptr) enc = dev.encoder();
+      enc->setComputePipelineState(ps);
+      enc->setBytes(&a, sizeof a, 0);
+      enc->setBytes(&seq, sizeof seq, 1);
+      enc->setBuffer(core_.layer(layer), 0, 2);
+      enc->setBuffer(qb.get(), i0 * qd * 4, 3);
+      enc->setBuffer(scratch_.get(), 0, 4);
+      enc->setBuffer(scratch_.get(), o_max, 5);
+      enc->setBuffer(scratch_.get(), o_sum, 6);
+      std::int32_t const no_pages = 0;
+      enc->setBytes(&no_pages, sizeof no_pages, 7);
+      if (custom) {
+        enc->setBuffer(mb.get(), i0 * mask_row, 8);
+      } else {
+        detail::metal_bind_no_mask(enc);
+      }
+      enc->setThreadgroupMemoryLength(l.plan.smem_bytes, 0);
+      enc->dispatchThreadgroups(MTL::Size(static_cast<NS::UInteger>(l.plan.splits),
+                                          static_cast<NS::UInteger>(shape().kv_heads * l.plan.chunks), 1),
+                                MTL::Size(threads, 1, 1));
+      kvq_combine_args const cb{static_cast<std::int32_t>(rows),    d, l.plan.splits, 1,
+                                opt.sinks != nullptr ? q_heads : 0, 0};
+      enc->setBytes(&cb, sizeof cb, 0);
+      enc->setBuffer(scratch_.get(), 0, 1);
+      enc->setBuffer(scratch_.get(), o_max, 2);
+      enc->setBuffer(scratch_.get(), o_sum, 3);
+      enc->setBuffer(ob.get(), i0 * qd * 4, 4);
+      detail::metal_bind_sinks(dev, enc, opt.sinks, q_heads, 5);
+      detail::metal_device::dispatch(enc, combine, static_cast<std::int64_t>(rows * static_cast<std::size_t>(d)));
+    }
+    if (enc != nullptr) (void)dev.finish();
+    wait();
+    std::memcpy(out, ob->contents(), total);
   }
 
   /// Partial attention over tokens [begin, end) of `layer` (the split form of kvq::attend_range):
@@ -777,16 +903,18 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
     enc->setBuffer(scratch_.get(), o_sum, 6);
     std::int32_t const no_pages = 0;  // a flat cache has no page table
     enc->setBytes(&no_pages, sizeof no_pages, 7);
+    detail::metal_bind_no_mask(enc);
     enc->setThreadgroupMemoryLength(plan.smem_bytes, 0);
     enc->dispatchThreadgroups(MTL::Size(splits, static_cast<NS::UInteger>(shape().kv_heads * plan.chunks), 1),
                               MTL::Size(threads, 1, 1));
     if (out != nullptr) {
-      kvq_combine_args const cb{q_heads, d, plan.splits, 1};
+      kvq_combine_args const cb{q_heads, d, plan.splits, 1, opt.sinks != nullptr ? q_heads : 0, 0};
       enc->setBytes(&cb, sizeof cb, 0);
       enc->setBuffer(scratch_.get(), 0, 1);
       enc->setBuffer(scratch_.get(), o_max, 2);
       enc->setBuffer(scratch_.get(), o_sum, 3);
       enc->setBuffer(out, out_off, 4);
+      detail::metal_bind_sinks(dev, enc, opt.sinks, q_heads, 5);
       detail::metal_device::dispatch(enc, combine, static_cast<std::int64_t>(qd));
     }
     (void)dev.finish();
@@ -920,6 +1048,7 @@ class PagedKVCache<Choice, metal> : public cache_codecs<Choice> {
     detail::check<shape_error>(seqs.empty() || (q != nullptr && out != nullptr),
                                "attention: the query or the output is null");
     detail::check_attention_options(opt);
+    detail::check_sinks(opt.sinks, q_heads);
     if (seqs.empty()) return;
     detail::metal_pool pool;
     auto& dev = core_.device();
@@ -973,16 +1102,19 @@ class PagedKVCache<Choice, metal> : public cache_codecs<Choice> {
     enc->setBuffer(part.get(), o_max, 5);
     enc->setBuffer(part.get(), o_sum, 6);
     enc->setBuffer(table.get(), 0, 7);
+    detail::metal_bind_no_mask(enc);
     enc->setThreadgroupMemoryLength(L.plan.smem_bytes, 0);
     enc->dispatchThreadgroups(MTL::Size(splits, static_cast<NS::UInteger>(shape().kv_heads * L.plan.chunks),
                                         static_cast<NS::UInteger>(batch)),
                               MTL::Size(threads, 1, 1));
-    kvq_combine_args const cb{q_heads, d, L.plan.splits, static_cast<std::int32_t>(batch)};
+    kvq_combine_args const cb{
+        q_heads, d, L.plan.splits, static_cast<std::int32_t>(batch), opt.sinks != nullptr ? q_heads : 0, 0};
     enc->setBytes(&cb, sizeof cb, 0);
     enc->setBuffer(part.get(), 0, 1);
     enc->setBuffer(part.get(), o_max, 2);
     enc->setBuffer(part.get(), o_sum, 3);
     enc->setBuffer(ob.get(), 0, 4);
+    detail::metal_bind_sinks(dev, enc, opt.sinks, q_heads, 5);
     detail::metal_device::dispatch(enc, combine, static_cast<std::int64_t>(batch * qd));
     (void)dev.finish();
     wait();

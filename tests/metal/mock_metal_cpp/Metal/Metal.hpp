@@ -7,8 +7,8 @@
 // fast math on, a kernel name the source does not define, a pipeline missing its function
 // constants, threadgroup memory over 32 KiB or not a multiple of 16 bytes, threadgroups that are
 // not whole SIMD-groups, buffer bindings out of bounds, encoders left open at commit or when the
-// command buffer is released, waiting on a command buffer never committed. Such misuse is recorded in kvq_mock::errors().
-// kvq_mock::fail_next_commit() makes the next command buffer end in an error, as a GPU fault would.
+// command buffer is released, waiting on a command buffer never committed. Such misuse is recorded in
+// kvq_mock::errors(). kvq_mock::fail_next_commit() makes the next command buffer end in an error, as a GPU fault would.
 //
 // This proves nothing about Apple's real API beyond these names and signatures.
 #pragma once
@@ -223,7 +223,8 @@ class CommandBuffer : public NS::Referencing<CommandBuffer> {
   void record(Command c) { commands_.push_back(std::move(c)); }
   void commit();
   void waitUntilCompleted() {
-    if (status_ == CommandBufferStatusNotEnqueued) kvq_mock::misuse("waitUntilCompleted on a command buffer never committed");
+    if (status_ == CommandBufferStatusNotEnqueued)
+      kvq_mock::misuse("waitUntilCompleted on a command buffer never committed");
   }
   CommandBufferStatus status() const { return status_; }
   NS::Error* error() const { return status_ == CommandBufferStatusError ? NS::Error::make("mock GPU fault") : nullptr; }
@@ -263,7 +264,8 @@ inline void ComputeCommandEncoder::endEncoding() {
 }
 
 inline void BlitCommandEncoder::fillBuffer(Buffer const* buffer, NS::Range range, std::uint8_t value) {
-  if (buffer == nullptr || range.location + range.length > buffer->length()) return kvq_mock::misuse("fillBuffer out of bounds");
+  if (buffer == nullptr || range.location + range.length > buffer->length())
+    return kvq_mock::misuse("fillBuffer out of bounds");
   Command c;
   c.fill = const_cast<Buffer*>(buffer);
   c.fill_range = range;
