@@ -7,9 +7,10 @@
 // Grid: n_q 1, 4, 8, 16, 512; contexts 4k and 16k; gqa = 32 query / 8 KV heads and mha = 32 / 32;
 // head_dim 128; codecs f32 and f16 (the baselines), q4_0, q8_0, int8, fp8_e4m3, kivi2, kivi4 (KIVI
 // at G = 32, R = 128); default options (f32 query, causal mask, first_pos = size − n_q); 1 and 2
-// threads. The default run leaves out n_q = 512 at 16k except gqa on 1 thread, about 2.5 minutes
-// on one core; --kvq_full runs the whole grid (the 16k n_q = 512 cells are about 135 GFLOP each)
-// and adds q4_0, q8_0 and int8 with query_precision::q8_0 as <codec>+q8q (integer q·K).
+// threads. The default run leaves out n_q = 512 at 16k except gqa on 1 thread (2-3 minutes of
+// CPU time on this project's 2-core machine); --kvq_full runs the whole grid (the 16k n_q = 512
+// cells are about 135 GFLOP each) and adds q4_0, q8_0 and int8 with query_precision::q8_0 as
+// <codec>+q8q (integer q·K).
 // A cell of at least 16 GFLOP runs one call per repetition (Iterations(1)); the others run for
 // --benchmark_min_time, 0.1 s unless given.
 //

@@ -1013,16 +1013,17 @@ bash bench/run.sh [--json FILE]   # builds the suites (Release, -march=native), 
 ```
 
 `run.sh` builds in `build/bench` (or `$KVQ_BUILD_DIR`), runs the four Google Benchmark suites with
-real time, 3 repetitions and their medians (the multi-token suite once), prints the tables below and rewrites this file; with
-`--json FILE` it also writes `{"codecs": [{"codec", "encode_pct_memcpy", "decode_pct_memcpy",
-"attention": [{"shape", "context", "threads", "time_ms", "roofline_ms", "pct_roofline",
-"speedup_vs_f16"}]}]}` (percentages 0–100; extra top-level keys: `attention_q8_query`, `persist`
-(`[{"codec", "image_bytes", "save_pct_memcpy", "load_into_pct_memcpy", "load_pct_memcpy",
-"export_pct_memcpy", "import_pct_memcpy"}]`), `multi_query` (`[{"codec", "q8_query", "shape",
-"context", "n_q", "threads", "time_ms", "gb_per_s", "pct_memcpy", "gflop_per_s", "pct_fma_peak",
-"pct_int8_peak", "speedup_vs_f16", "time_vs_nq1"}]`), `multi_query_machine`, `machine`,
-`targets`). `--quick` is a short check of the script (contexts up to 4k, one short repetition, a
-small working set; this file is left alone).
+real time, 3 repetitions and their medians (the multi-token suite once), prints the tables below
+and rewrites this file; with `--json FILE` it also writes `{"codecs": [{"codec",
+"encode_pct_memcpy", "decode_pct_memcpy", "attention": [{"shape", "context", "threads", "time_ms",
+"roofline_ms", "pct_roofline", "speedup_vs_f16"}]}]}` (percentages 0–100; extra top-level keys:
+`attention_q8_query`, `persist` (`[{"codec", "image_bytes", "save_pct_memcpy",
+"load_into_pct_memcpy", "replace_pct_memcpy", "load_pct_memcpy", "export_pct_memcpy",
+"import_pct_memcpy"}]`), `multi_query` (`[{"codec", "q8_query", "shape", "context", "n_q",
+"threads", "time_ms", "gb_per_s", "pct_memcpy", "gflop_per_s", "pct_fma_peak", "pct_int8_peak",
+"speedup_vs_f16", "time_vs_nq1"}]`), `multi_query_machine`, `machine`, `targets`). `--quick` is a
+short check of the script (contexts up to 4k, one short repetition, a small working set; this file
+is left alone).
 
 ## What is measured
 

@@ -12,6 +12,7 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/core/plans.hpp
     include/kvq/core/cache_core.hpp
     include/kvq/core/paged_core.hpp
+    include/kvq/core/query_launches.hpp
     include/kvq/core/saved_format.hpp
     include/kvq/attention.hpp
     include/kvq/paged_cache.hpp

@@ -122,6 +122,18 @@ class device_harness {
     cache_.synchronize(test_stream());
     return out.host();
   }
+  auto attention_tokens(int l, std::vector<float> const& q, std::int64_t n_q, int q_heads,
+                        kvq::attention_options const& opt, std::size_t mask_bytes) -> std::vector<float> {
+    device_buffer<float> dq(q), out(q.size());
+    auto const* m = static_cast<unsigned char const*>(opt.mask_data);
+    device_buffer<unsigned char> dmask(m != nullptr ? std::vector<unsigned char>(m, m + mask_bytes)
+                                                    : std::vector<unsigned char>());
+    kvq::attention_options o = opt;
+    if (o.mask_data != nullptr) o.mask_data = dmask.get();  // the mask rows on the device; sinks stay on the host
+    kvq::attention(cache_, l, dq.get(), n_q, q_heads, out.get(), o, test_stream());
+    cache_.synchronize(test_stream());
+    return out.host();
+  }
   static auto batched(std::vector<device_harness*> const& hs, int l, std::vector<float> const& q, int q_heads,
                       kvq::attention_options const& opt) -> std::vector<float> {
     std::vector<cache_type*> caches;
@@ -350,6 +362,12 @@ TEMPLATE_TEST_CASE("cuda: caches save the CPU cache's bytes and load them", "[pe
       });
   for (auto const& f : failures) FAIL_CHECK(f);
   REQUIRE(failures.empty());
+}
+
+TEMPLATE_TEST_CASE("cuda: multi-token attention matches the CPU kvq::attention", "[multi_token]", kvq::q4_0, kvq::q8_0,
+                   kvq::fp8_e4m3, kvq::kivi<4>, kvq::f16_codec, (kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>)) {
+  kt::run_multi_token<TestType, device_harness>(64, 32, {128, 64});
+  kt::run_multi_token<TestType, device_harness>(128, 128);
 }
 
 TEMPLATE_TEST_CASE("cuda: bad arguments raise typed errors, cache unchanged", "[errors]", kvq::q4_0, kvq::kivi<4>,

@@ -45,6 +45,7 @@ void use_metal(MTL::Device* device, MTL::CommandQueue* queue, float const* x, kv
   c.read(true, 0, 0, 0, 2, buf, 64, kvq_metal_elem_f16, 64);
   c.attention(0, x, 4, out);
   c.attention(0, buf, 16, 4, buf, 0, {});
+  c.attention(0, x, std::int64_t{2}, 4, out);
   auto const part = c.attend(0, x, 4, 0, 1);
   kvq::finalize(part, out);
   c.truncate(2);
