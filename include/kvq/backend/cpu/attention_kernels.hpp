@@ -467,6 +467,11 @@ struct simd_attention {
     }
     alignas(64) float sums[std::size_t{W}];
     V::store(sums, V::reduce_lanes(acc));
+    if (c == d && nt == NT) {  // the usual case: whole vectors, whole token groups
+      for (int i = 0; i < NH; ++i)
+        std::memcpy(logits + (h0 + i) * T + t0, sums + i * NT, sizeof(float) * static_cast<std::size_t>(NT));
+      return;
+    }
     for (int i = 0; i < NH; ++i)
       for (int j = 0; j < nt; ++j) {
         float s = sums[i * NT + j];
