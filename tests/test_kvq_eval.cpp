@@ -1,5 +1,6 @@
 // Tests of the kvq-eval tool: its JSON output against the JSON Schema in the repository, SVG output,
-// its handling of bad arguments, and --paged on the real model (when the model files are present).
+// its handling of bad arguments, and --paged and --chunk on the real model (when the model files are
+// present).
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -198,6 +199,21 @@ TEST_CASE("the schema validator rejects documents that break the schema", "[kvq-
   bad = good;
   bad["results"][0]["nonfinite_blocks"] = -1;
   CHECK(!errors_of(schema, bad).empty());
+  // Version 3: a model document with its prefill chunk (a positive integer).
+  json v3 = good;
+  v3["schema_version"] = 3;
+  v3["workload"] = "model";
+  v3["chunk"] = 64;
+  CHECK(errors_of(schema, v3).empty());
+  bad = v3;
+  bad["chunk"] = 0;
+  CHECK(!errors_of(schema, bad).empty());
+  bad = v3;
+  bad["chunk"] = 1.5;
+  CHECK(!errors_of(schema, bad).empty());
+  bad = v3;
+  bad["schema_version"] = 4;
+  CHECK(!errors_of(schema, bad).empty());
 }
 
 TEST_CASE("kvq-eval reports bad arguments and unreadable files in one line with a non-zero exit", "[kvq-eval]") {
@@ -209,7 +225,11 @@ TEST_CASE("kvq-eval reports bad arguments and unreadable files in one line with 
         "--page-tokens 32 --configs f16",
         "--model m.bin --tokenizer t.bin --text x.txt --paged --configs q8_0-K/q4_0-V",
         "--model m.bin --tokenizer t.bin --text x.txt --paged --page-tokens 16 --configs kivi4/R32",
-        "--model m.bin --tokenizer t.bin --text x.txt --paged --page-tokens 0"}) {
+        "--model m.bin --tokenizer t.bin --text x.txt --paged --page-tokens 0", "--chunk 64 --configs f16",
+        "--model m.bin --tokenizer t.bin --text x.txt --chunk 0",
+        "--model m.bin --tokenizer t.bin --text x.txt --chunk",
+        "--model m.bin --tokenizer t.bin --text x.txt --chunk 8x",
+        "--model m.bin --tokenizer t.bin --text x.txt --paged --chunk 2"}) {
     INFO(args);
     int const rc = run_eval(args, dir);
     CHECK(rc == 2);
@@ -241,7 +261,8 @@ TEST_CASE("kvq-eval --paged batches every story through one paged cache at the f
   auto const errs = errors_of(load(KVQ_EVAL_SCHEMA), doc);
   for (auto const& e : errs) INFO(e);
   CHECK(errs.empty());
-  CHECK(doc["schema_version"] == 2);
+  CHECK(doc["schema_version"] == 3);  // a model document: version 2's "paged" objects plus "chunk"
+  CHECK(doc["chunk"] == 1);           // --paged runs the flat perplexities token by token
   REQUIRE(doc["results"].size() == 4);
   for (auto const& r : doc["results"]) {
     INFO(r["label"].get<std::string>());
@@ -311,4 +332,78 @@ TEST_CASE("kvq-eval --paged batches every story through one paged cache at the f
   // A configuration whose codec pair --paged does not compile is a usage error naming it.
   CHECK(run_eval(files + " --paged --configs q8_0-K/q4_0-V", dir) == 2);
   CHECK(read_text(dir / "err.txt").find("--paged does not support configuration 'q8_0-K/q4_0-V'") != std::string::npos);
+}
+
+TEST_CASE("kvq-eval --chunk prefills every story in chunks, the f32 reference too", "[kvq-eval][chunk]") {
+  std::filesystem::path const models = KVQ_MODELS_DIR;
+  auto const model = models / "stories260K" / "stories260K.bin";
+  auto const tok = models / "stories260K" / "tok512.bin";
+  auto const sample = models / "tinystories_valid" / "sample.txt";
+  if (!std::filesystem::exists(model) || !std::filesystem::exists(tok) || !std::filesystem::exists(sample)) {
+    WARN("model files absent under " << models << ": --chunk not run");
+    return;
+  }
+  auto const dir = temp_dir("chunk");
+  // A short text: the sample's first six stories (several chunks of 64 tokens each, KIVI flushes inside them).
+  std::string const sep = "\n<|endoftext|>\n";
+  std::string const all = read_text(sample);
+  std::size_t end = 0;
+  for (int s = 0; s < 6; ++s) {
+    std::size_t const at = all.find(sep, end);
+    REQUIRE(at != std::string::npos);
+    end = at + sep.size();
+  }
+  auto const text = dir / "first-stories.txt";
+  std::ofstream(text, std::ios::binary) << all.substr(0, end);
+  std::string const files =
+      "--model \"" + model.string() + "\" --tokenizer \"" + tok.string() + "\" --text \"" + text.string() + "\"";
+  std::string const configs = " --configs f32,q8_0,kivi4/R32 --quiet";
+  json const schema = load(KVQ_EVAL_SCHEMA);
+  auto run = [&](std::string const& chunk_args, std::string const& name) {
+    int const rc = run_eval(files + configs + chunk_args + " --json \"" + (dir / name).string() + "\"", dir);
+    INFO(read_text(dir / "err.txt"));
+    REQUIRE(rc == 0);
+    json doc = load(dir / name);
+    auto const errs = errors_of(schema, doc);
+    for (auto const& e : errs) INFO(e);
+    CHECK(errs.empty());
+    CHECK(doc["schema_version"] == 3);
+    CHECK(doc["workload"] == "model");
+    REQUIRE(doc["results"].size() == 3);
+    return doc;
+  };
+  json const tokenwise = run("", "c1.json");  // the default: token by token
+  CHECK(tokenwise["chunk"] == 1);
+  CHECK(read_text(dir / "out.txt").find("prefill: chunk 1 (token by token") != std::string::npos);
+  json const chunked = run(" --chunk 64", "c64.json");
+  CHECK(chunked["chunk"] == 64);
+  CHECK(read_text(dir / "out.txt").find("prefill: chunk 64 ") != std::string::npos);
+
+  auto const& t = tokenwise["results"];
+  auto const& c = chunked["results"];
+  auto ppl = [](json const& r) { return r["ppl"].get<double>(); };
+  // f32: the chunked run is scored against the chunked reference (the same computation), and
+  // reproduces the token-by-token perplexity up to fp32 rounding.
+  REQUIRE(c[0]["label"] == "f32");
+  CHECK(ppl(c[0]) == c[0]["ppl_ref"].get<double>());
+  CHECK(c[0]["kld"].get<double>() == 0.0);
+  CHECK(c[0]["top1_agreement"].get<double>() == 1.0);
+  CHECK(std::abs(ppl(c[0]) - ppl(t[0])) / ppl(t[0]) < 1e-6);
+  CHECK(std::abs(c[0]["ppl_ref"].get<double>() - t[0]["ppl_ref"].get<double>()) / ppl(t[0]) < 1e-6);
+  // q8_0 stores the same bytes whenever a token is attended: fp32 rounding again.
+  REQUIRE(c[1]["label"] == "q8_0");
+  CHECK(std::abs(ppl(c[1]) - ppl(t[1])) / ppl(t[1]) < 1e-4);
+  // kivi4/R32: its key residual is flushed inside a chunk, so the chunk's earlier queries see
+  // quantized keys the token-by-token run saw in f16 (docs/architecture.md, "Multi-token
+  // attention"): the perplexity moves, and only away from the reference.
+  REQUIRE(c[2]["label"] == "kivi4/R32");
+  CHECK(ppl(c[2]) != ppl(t[2]));
+  CHECK(ppl(c[2]) > ppl(c[0]));
+  // --chunk 1 is the default.
+  json const explicit1 = run(" --chunk 1", "c1b.json");
+  CHECK(explicit1["chunk"] == 1);
+  for (std::size_t i = 0; i < 3; ++i) CHECK(ppl(explicit1["results"][i]) == ppl(t[i]));
+  // --paged is batched decode, one token per sequence and step: a usage error with N > 1.
+  CHECK(run_eval(files + " --paged --chunk 64", dir) == 2);
+  CHECK(read_text(dir / "err.txt").find("--chunk 64 does not go with --paged") != std::string::npos);
 }

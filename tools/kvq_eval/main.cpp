@@ -5,6 +5,7 @@
 //   kvq-eval --model M ... --paged [--page-tokens N]
 //                                              the same, plus continuous batching of every story
 //                                              through one paged cache per configuration
+//   kvq-eval --model M ... --chunk N             the same, every story prefilled in chunks of N tokens
 //   options: --json FILE, --svg FILE, --configs L1,L2,..., --context N, --layers N, --list
 //
 // Results on stdout as an aligned table; progress on stderr. Exit status 0 on success, 1 on a
@@ -210,14 +211,16 @@ auto run_synthetic(synthetic_shape const& s, std::vector<config> const& configs,
 /// Evaluates every configuration on a real model: the KV metrics on the model's own K/V (the f32
 /// cache after its longest story), then perplexity, KL and top-1 against the f32 cache; with
 /// `paged`, also the continuous-batching run of every configuration through one paged cache
-/// (every configuration must have a paged_table entry).
+/// (every configuration must have a paged_table entry). The reference and every configuration
+/// prefill each story in chunks of `chunk` tokens (1: token by token).
 auto run_model(std::string const& model_path, std::string const& tokenizer_path, std::string const& text_path,
-               std::vector<config> const& configs, bool progress, std::optional<paged_settings> const& paged,
+               std::vector<config> const& configs, bool progress, std::optional<paged_settings> const& paged, int chunk,
                std::int64_t& context) -> std::vector<result> {
   model_inputs const in = load_model_inputs(model_path, tokenizer_path, text_path);
   auto const& cfg = in.model.config();
-  if (progress) std::fprintf(stderr, "kvq-eval: reference run (f32 cache) over %s\n", text_path.c_str());
-  reference_run const ref = run_reference(in);
+  if (progress)
+    std::fprintf(stderr, "kvq-eval: reference run (f32 cache, prefill chunk %d) over %s\n", chunk, text_path.c_str());
+  reference_run const ref = run_reference(in, chunk);
   synthetic_shape s;
   s.layers = cfg.n_layers;
   s.kv_heads = cfg.n_kv_heads;
@@ -231,7 +234,7 @@ auto run_model(std::string const& model_path, std::string const& tokenizer_path,
     if (progress)
       std::fprintf(stderr, "kvq-eval: [%zu/%zu] %s: perplexity\n", i + 1, rows.size(), rows[i].label.c_str());
     auto const t0 = clock_type::now();
-    auto const q = score_config(in, ref, configs[i]);
+    auto const q = score_config(in, ref, configs[i], chunk);
     double const flat_seconds = seconds_since(t0);
     rows[i].ppl = q.ppl;
     rows[i].ppl_ref = ref.ppl;
@@ -262,7 +265,14 @@ void usage(std::FILE* out) {
       "                        configuration (continuous batching, batched paged attention; shared\n"
       "                        prefixes forked) and compare its perplexity with the flat cache's\n"
       "  --page-tokens N       tokens per page of --paged (default 32; a multiple of 32 for KIVI)\n"
-      "  --json FILE           write the results as JSON (schema_version 1; 2 with --paged)\n"
+      "  --chunk N             with --model: prefill every story in chunks of N tokens (one append and\n"
+      "                        one multi-token attention per layer and chunk), the f32 reference too;\n"
+      "                        default 1 (token by token). N > 1 does not go with --paged (batched\n"
+      "                        decode, one token per sequence and step). KIVI's perplexity depends on\n"
+      "                        N (its residual flushes inside a chunk); the others' matches N = 1 to\n"
+      "                        fp32 rounding\n"
+      "  --json FILE           write the results as JSON (schema_version 1 for the synthetic workload;\n"
+      "                        3 with --model: version 2's --paged objects plus the prefill \"chunk\")\n"
       "  --svg FILE            draw error (or perplexity) against bits per element\n"
       "  --configs A,B,...     evaluate only these configuration labels (see --list)\n"
       "  --context N           synthetic context length in tokens (default 4096)\n"
@@ -305,7 +315,7 @@ int run(int argc, char** argv) {
   std::optional<std::string> model, tokenizer, text, json, svg, only;
   synthetic_shape shape;
   bool progress = true, list = false, paged = false;
-  std::optional<int> page_tokens;
+  std::optional<int> page_tokens, chunk;
   for (int i = 1; i < argc; ++i) {
     std::string const a = argv[i];
     auto value = [&]() -> std::string {
@@ -332,6 +342,8 @@ int run(int argc, char** argv) {
       paged = true;
     else if (a == "--page-tokens")
       page_tokens = static_cast<int>(parse_int(a, value(), 1, 1 << 16));
+    else if (a == "--chunk")
+      chunk = static_cast<int>(parse_int(a, value(), 1, 1 << 16));
     else if (a == "--list")
       list = true;
     else if (a == "--quiet")
@@ -358,6 +370,13 @@ int run(int argc, char** argv) {
   if (with_model && !(model && tokenizer && text)) throw usage_error("--model, --tokenizer and --text go together");
   std::optional<paged_settings> paged_run;
   if (page_tokens && !paged) throw usage_error("--page-tokens goes with --paged");
+  if (chunk && !with_model) throw usage_error("--chunk needs --model, --tokenizer and --text");
+  // --paged is batched decode (one token per sequence and step) compared with the flat
+  // token-by-token perplexity: a chunked flat run would not be its like for like.
+  if (chunk && *chunk > 1 && paged)
+    throw usage_error("--chunk " + std::to_string(*chunk) +
+                      " does not go with --paged: the paged run decodes one token per sequence and step and is "
+                      "compared with the token-by-token flat run (--chunk 1)");
   if (paged) {
     if (!with_model) throw usage_error("--paged needs --model, --tokenizer and --text");
     paged_run = paged_settings{};
@@ -379,14 +398,15 @@ int run(int argc, char** argv) {
   std::vector<result> rows;
   std::int64_t context = shape.context;
   if (with_model) {
-    rows = run_model(*model, *tokenizer, *text, configs, progress, paged_run, context);
+    rows = run_model(*model, *tokenizer, *text, configs, progress, paged_run, chunk.value_or(1), context);
   } else {
     rows = run_synthetic(shape, configs, progress);
   }
+  if (with_model) print_prefill(chunk.value_or(1), stdout);
   print_table(rows, with_model, stdout);
   print_paged_table(rows, stdout);
-  if (json) write_file(json_out, *json, to_json(rows, with_model, context).dump(2) + "\n");
-  if (svg) write_file(svg_out, *svg, to_svg(rows, with_model));
+  if (json) write_file(json_out, *json, to_json(rows, with_model, context, chunk.value_or(1)).dump(2) + "\n");
+  if (svg) write_file(svg_out, *svg, to_svg(rows, with_model, chunk.value_or(1)));
   return 0;
 }
 

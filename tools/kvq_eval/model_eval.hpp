@@ -4,6 +4,9 @@
 // position kvq-eval compares its log-probabilities with the reference's: perplexity, mean
 // KL(P_ref ‖ P_quant) in nats and top-1 agreement. The KV metrics (SNR, attention error) use the
 // model's own K/V: the f32 cache after the longest story, with queries taken from real keys.
+// With a prefill chunk > 1 (--chunk), the reference and every configuration prefill each story in
+// chunks of that many tokens (llama2c::perplexity's chunk: one append and one multi-token
+// attention per layer and chunk), so every comparison is like for like.
 #pragma once
 
 #include <cmath>
@@ -56,20 +59,22 @@ struct reference_run {
   std::int64_t positions = 0;
   int vocab = 0;
   std::vector<double> logp;  // (positions, vocab)
-  std::vector<int> argmax;  // (positions)
+  std::vector<int> argmax;   // (positions)
   std::vector<synthetic_layer> kv_layers;
   std::int64_t kv_context = 0;
   int queries_per_layer = 4;
 };
 
-inline auto run_reference(model_inputs const& in) -> reference_run {
+/// The f32 cache's run over the text, prefilling each story in chunks of `chunk` tokens.
+inline auto run_reference(model_inputs const& in, int chunk) -> reference_run {
   auto const& cfg = in.model.config();
   reference_run r;
   r.vocab = cfg.vocab_size;
   kvq::llama2c::engine e(in.model, "f32", "f32");
-  // Remember the story that fills the cache most: its K/V become the KV workload.
+  // Remember the story that fills the cache most: its K/V become the KV workload (with chunk > 1 the
+  // cache holds the whole chunk when its positions are observed; the longest story still ends full).
   std::int64_t best_len = 0;
-  auto const res = kvq::llama2c::perplexity(e, in.tokenizer, in.text, [&](kvq::llama2c::scored_position const& p) {
+  auto const observe = [&](kvq::llama2c::scored_position const& p) {
     r.logp.insert(r.logp.end(), p.logp.begin(), p.logp.end());
     r.argmax.push_back(kvq::llama2c::argmax(p.logits));
     ++r.positions;
@@ -86,8 +91,10 @@ inline auto run_reference(model_inputs const& in) -> reference_run {
         L.values = L.keys;
         for (int kh = 0; kh < h; ++kh) {
           for (int pass = 0; pass < 2; ++pass) {
-            if (pass == 0) e.cache().read_keys(l, kh, 0, len, row.data());
-            else e.cache().read_values(l, kh, 0, len, row.data());
+            if (pass == 0)
+              e.cache().read_keys(l, kh, 0, len, row.data());
+            else
+              e.cache().read_values(l, kh, 0, len, row.data());
             auto& dst = pass == 0 ? L.keys : L.values;
             for (std::int64_t t = 0; t < len; ++t)
               std::copy_n(row.data() + t * d, d,
@@ -98,8 +105,8 @@ inline auto run_reference(model_inputs const& in) -> reference_run {
         }
       }
     }
-  });
-  r.ppl = res.ppl;
+  };
+  r.ppl = kvq::llama2c::perplexity(e, in.tokenizer, in.text, observe, chunk).ppl;
   // Queries from real keys: query head qh looks like the key of its kv head at a late position.
   int const d = cfg.head_dim(), h = cfg.n_kv_heads, qh_n = cfg.n_heads, group = qh_n / h;
   for (auto& L : r.kv_layers) {
@@ -125,14 +132,16 @@ struct model_quality {
   double ppl = 0, kld = 0, top1 = 0;
 };
 
-inline auto score_config(model_inputs const& in, reference_run const& ref, config const& c) -> model_quality {
+/// Runs configuration `c` over the text with the reference's prefill chunk (`chunk`).
+inline auto score_config(model_inputs const& in, reference_run const& ref, config const& c, int chunk)
+    -> model_quality {
   kvq::any_cache_options opt;
   opt.residual = c.residual.value_or(128);
   kvq::llama2c::engine e(in.model, c.k_codec, c.v_codec, opt);
   std::int64_t i = 0;
   double kl = 0;
   std::int64_t agree = 0;
-  auto const res = kvq::llama2c::perplexity(e, in.tokenizer, in.text, [&](kvq::llama2c::scored_position const& p) {
+  auto const observe = [&](kvq::llama2c::scored_position const& p) {
     double const* lr = ref.logp.data() + i * ref.vocab;
     double k = 0;
     for (int v = 0; v < ref.vocab; ++v) {
@@ -142,7 +151,8 @@ inline auto score_config(model_inputs const& in, reference_run const& ref, confi
     kl += k;
     agree += kvq::llama2c::argmax(p.logits) == ref.argmax[static_cast<std::size_t>(i)] ? 1 : 0;
     ++i;
-  });
+  };
+  auto const res = kvq::llama2c::perplexity(e, in.tokenizer, in.text, observe, chunk);
   model_quality q;
   q.ppl = res.ppl;
   q.kld = kl / static_cast<double>(std::max<std::int64_t>(i, 1));

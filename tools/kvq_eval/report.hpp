@@ -1,5 +1,5 @@
-// kvq-eval: result rows and their output as aligned tables, JSON (schema_version 1, or 2 with --paged)
-// and SVG.
+// kvq-eval: result rows and their output as aligned tables, JSON (schema_version 1 for the synthetic
+// workload, 3 for a model: version 2's --paged objects plus the prefill chunk) and SVG.
 #pragma once
 
 #include <kvq/cache.hpp>
@@ -106,6 +106,17 @@ inline void print_aligned(std::vector<std::string> const& head, std::vector<std:
   for (auto const& c : cells) line(c);
 }
 
+/// States how the model runs prefilled each story (--chunk), above the results table.
+inline void print_prefill(int chunk, std::FILE* out) {
+  if (chunk == 1)
+    std::fputs("prefill: chunk 1 (token by token; the f32 reference too)\n", out);
+  else
+    std::fprintf(out,
+                 "prefill: chunk %d (each story in chunks of %d tokens, one multi-token attention per layer and "
+                 "chunk; the f32 reference too)\n",
+                 chunk, chunk);
+}
+
 /// Prints the results as an aligned table.
 inline void print_table(std::vector<result> const& rows, bool model, std::FILE* out) {
   std::vector<std::string> head = {"config",   "K",        "V",        "bits/el",
@@ -189,14 +200,17 @@ inline auto paged_json(result const& r) -> nlohmann::ordered_json {
   return j;
 }
 
-/// The JSON document (see tools/kvq_eval/kvq-eval.schema.json): schema_version 1, or 2 when a row
-/// carries a --paged run (version 1 plus the "paged" object of each result).
-inline auto to_json(std::vector<result> const& rows, bool model, std::int64_t context) -> nlohmann::ordered_json {
+/// The JSON document (see tools/kvq_eval/kvq-eval.schema.json): schema_version 1 for the synthetic
+/// workload; 3 for a model, whose document carries the prefill `chunk` of its perplexities (version
+/// 2 added the "paged" object of each result, which only model runs write: every model document is
+/// version 3 now, with or without --paged).
+inline auto to_json(std::vector<result> const& rows, bool model, std::int64_t context, int chunk)
+    -> nlohmann::ordered_json {
   nlohmann::ordered_json doc;
-  bool const paged = std::any_of(rows.begin(), rows.end(), [](result const& r) { return r.paged.has_value(); });
-  doc["schema_version"] = paged ? 2 : 1;
+  doc["schema_version"] = model ? 3 : 1;
   doc["workload"] = model ? "model" : "synthetic";
   doc["context"] = context;
+  if (model) doc["chunk"] = chunk;
   doc["results"] = nlohmann::ordered_json::array();
   for (auto const& r : rows) {
     nlohmann::ordered_json j;
@@ -243,8 +257,8 @@ inline auto xml_escape(std::string const& s) -> std::string {
 }
 
 /// Draws error (synthetic: attention relative error, log scale; model: perplexity) against bits
-/// per element, one labelled point per configuration.
-inline auto to_svg(std::vector<result> const& rows, bool model) -> std::string {
+/// per element, one labelled point per configuration; a model's title states its prefill chunk when > 1.
+inline auto to_svg(std::vector<result> const& rows, bool model, int chunk) -> std::string {
   double const width = 900, height = 560, left = 80, right = 30, top = 50, bottom = 60;
   double xmin = 1e9, xmax = -1e9, ymin = 1e300, ymax = -1e300;
   auto yval = [&](result const& r) { return model ? r.ppl.value_or(0) : std::log10(std::max(r.attn_rel_error, 1e-9)); };
@@ -266,7 +280,8 @@ inline auto to_svg(std::vector<result> const& rows, bool model) -> std::string {
     << "\" font-family=\"sans-serif\" font-size=\"11\">\n";
   s << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   s << "<text x=\"" << width / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">kvq-eval: "
-    << (model ? "perplexity" : "decode-attention relative error") << " vs bits per element</text>\n";
+    << (model ? "perplexity" : "decode-attention relative error") << " vs bits per element"
+    << (model && chunk > 1 ? " (prefill chunk " + std::to_string(chunk) + ")" : std::string()) << "</text>\n";
   // Axes and grid.
   s << "<line x1=\"" << left << "\" y1=\"" << height - bottom << "\" x2=\"" << width - right << "\" y2=\""
     << height - bottom << "\" stroke=\"black\"/>\n";

@@ -741,7 +741,7 @@ struct simd_attention {
   /// o_(h0+i) += sum_t p_(h0+i)[t] * v_t over every channel, for NH heads.
   template <int NH, class L>
   static void accumulate_heads(float* const* o, float const* const* p, L const& v, int n, int d) noexcept {
-    constexpr int NC = NH == 4 ? (W >= 16 ? 4 : 2) : NH == 2 ? 4 : 8;
+    constexpr int NC = NH == 8 ? 2 : NH == 6 ? 4 : NH == 4 ? (W >= 16 ? 4 : 2) : NH == 2 ? 4 : 8;
     int c = 0;
     for (; c + NC * W <= d; c += NC * W) accumulate_tile<NH, NC>(o, p, v, n, c);
     for (; c + W <= d; c += W) accumulate_tile<NH, 1>(o, p, v, n, c);
@@ -761,6 +761,13 @@ struct simd_attention {
       p[i] = probs + h * T + off;
     };
     int h = 0;
+    if (W >= 16)  // 32 registers: 6 heads x 4 vectors of accumulators
+      for (; h + 6 <= group; h += 6) {
+        float* o[6];
+        float const* p[6];
+        for (int i = 0; i < 6; ++i) head(h + i, o, p, i);
+        accumulate_heads<6>(o, p, v, n, d);
+      }
     if (W >= 4)
       for (; h + 4 <= group; h += 4) {
         float* o[4];
