@@ -265,6 +265,13 @@ class host_paged_harness {
     core_.attention(l, std::span<kvq::sequence_id const>(ids), q.data(), q_heads, out.data(), opt, 0);
     return out;
   }
+  auto attention_chunks(int l, std::vector<kvq::query_chunk> const& chunks, std::vector<float> const& q, int q_heads,
+                        kvq::attention_options const& opt, std::vector<std::size_t> const&) -> std::vector<float> {
+    std::vector<float> out(q.size(), -7.0f);
+    core_.attention(l, std::span<kvq::query_chunk const>(chunks), q.empty() ? nullptr : q.data(), q_heads,
+                    out.empty() ? nullptr : out.data(), opt, 0);
+    return out;
+  }
   auto pool() const -> std::vector<std::uint8_t> {
     auto const* p = reinterpret_cast<std::uint8_t const*>(core_.pool_data());
     return {p, p + core_.pool_bytes()};
@@ -374,6 +381,16 @@ TEMPLATE_TEST_CASE("cuda host: the paged cache matches the CPU paged cache", "[c
     kt::run_paged<TestType, host_paged_harness>(64, residual);
   }
   kt::run_paged<TestType, host_paged_harness>(80, 32, {64, 40});  // split_tokens off the page grid
+}
+
+TEMPLATE_TEST_CASE("cuda host: batched multi-token paged attention matches the CPU kvq::paged_attention",
+                   "[cuda_host][paged][multi_token]", kvq::q4_0, kvq::q8_0, kvq::f16_codec, kvq::kivi<4>,
+                   (kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>)) {
+  kt::run_paged_chunks<TestType, host_paged_harness>(64, 32, {128, 64});
+  if constexpr (std::is_same_v<TestType, kvq::q4_0> || std::is_same_v<TestType, kvq::kivi<4>>) {
+    kt::run_paged_chunks<TestType, host_paged_harness>(80, 0, {64, 40});  // split_tokens off the page grid
+    kt::run_paged_chunks<TestType, host_paged_harness>(64, 32);           // the planner's splits
+  }
 }
 
 TEST_CASE("cuda host: the paged cache checks before it changes anything", "[cuda_host][paged]") {

@@ -116,20 +116,25 @@ struct query_chunk {
 
 namespace detail {
 
-/// Batched multi-token paged attention with the kernel `Kernel`; see paged_attention.
-template <class Kernel, class Cache>
-void paged_chunks_with(Cache const& cache, int layer, std::span<query_chunk const> chunks, float const* q, int q_heads,
-                       float* out, attention_options const& opt, int threads) {
-  using key_codec = typename Cache::key_codec;
-  auto const& core = cache.core();
-  auto const& shape = cache.shape();
-  int const kv = shape.kv_heads;
+/// A query chunk of a batched paged attention after its checks: its sequence's length, its first
+/// position and its mask stride (both resolved from their defaults).
+struct checked_chunk {
+  std::int64_t len = 0;
+  std::int64_t first = 0;
+  std::int64_t stride = 0;
+};
+
+/// The checks of kvq::paged_attention that every backend shares: query heads, options, sinks,
+/// the options' per-chunk fields left unset, the layer, every chunk's sequence, positions and mask,
+/// and q / out not null when some chunk has queries. Returns the chunks' resolved positions.
+template <class Core, class Chunk>
+auto check_paged_chunks(Core const& core, int layer, std::span<Chunk const> chunks, void const* q, int q_heads,
+                        void const* out, attention_options const& opt) -> detail::vector<checked_chunk> {
+  int const kv = core.shape().kv_heads;
   check<shape_error>(q_heads > 0 && q_heads % kv == 0, [&] {
     return "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
            std::to_string(kv) + " kv heads";
   });
-  check<invalid_argument_error>(threads >= 1,
-                                [&] { return "attention: threads = " + std::to_string(threads) + " must be >= 1"; });
   check_attention_options(opt);
   check_sinks(opt.sinks, q_heads);
   check<invalid_argument_error>(opt.first_pos == -1 && opt.mask_data == nullptr && opt.mask_stride == 0, [] {
@@ -137,23 +142,43 @@ void paged_chunks_with(Cache const& cache, int layer, std::span<query_chunk cons
         "paged attention: first_pos, mask_data and mask_stride belong to each query_chunk, not the options");
   });
   core.check_layer(layer);
-  detail::vector<query_chunk_plan> plans;
-  plans.reserve(chunks.size());
+  detail::vector<checked_chunk> checked;
+  checked.reserve(chunks.size());
   std::int64_t rows = 0;
-  for (std::size_t c = 0; c < chunks.size(); ++c) {
-    query_chunk const& ch = chunks[c];
+  for (Chunk const& ch : chunks) {
     core.check_sequence(ch.seq, "attention");
     std::int64_t const len = core.size(ch.seq, layer);
     std::int64_t const first = ch.first_pos < 0 ? len - ch.n_q : ch.first_pos;
     std::int64_t const stride = ch.mask_stride > 0 ? ch.mask_stride : len;
     check_query_chunk(opt, ch.n_q, first, len, ch.mask_data, stride);
-    plans.push_back({static_cast<int>(c), len, first, ch.n_q, rows, ch.mask_data, stride});
+    checked.push_back({len, first, stride});
     rows += ch.n_q;
   }
   check<shape_error>(rows == 0 || (q != nullptr && out != nullptr),
                      [] { return std::string("attention: the query or the output is null"); });
-  run_query_chunks<key_codec>(std::span<query_chunk_plan const>(plans), q, q_heads, kv, shape.head_dim, out, opt,
-                              threads, shape.page_tokens,
+  return checked;
+}
+
+/// Batched multi-token paged attention with the kernel `Kernel`; see paged_attention.
+template <class Kernel, class Cache>
+void paged_chunks_with(Cache const& cache, int layer, std::span<query_chunk const> chunks, float const* q, int q_heads,
+                       float* out, attention_options const& opt, int threads) {
+  using key_codec = typename Cache::key_codec;
+  auto const& shape = cache.shape();
+  check<invalid_argument_error>(threads >= 1,
+                                [&] { return "attention: threads = " + std::to_string(threads) + " must be >= 1"; });
+  auto const checked = check_paged_chunks(cache.core(), layer, chunks, q, q_heads, out, opt);
+  detail::vector<query_chunk_plan> plans;
+  plans.reserve(chunks.size());
+  std::int64_t rows = 0;
+  for (std::size_t c = 0; c < chunks.size(); ++c) {
+    query_chunk const& ch = chunks[c];
+    plans.push_back(
+        {static_cast<int>(c), checked[c].len, checked[c].first, ch.n_q, rows, ch.mask_data, checked[c].stride});
+    rows += ch.n_q;
+  }
+  run_query_chunks<key_codec>(std::span<query_chunk_plan const>(plans), q, q_heads, shape.kv_heads, shape.head_dim, out,
+                              opt, threads, shape.page_tokens,
                               [&](int entry, int head, cpu_kernels::attention_call const& call, float const* qr,
                                   block_q8_0 const* qb, std::int64_t begin, std::int64_t end,
                                   cpu_kernels::attention_state const& state, cpu_kernels::attention_scratch& scratch) {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -197,6 +198,24 @@ class device_paged_harness {
     cache_.synchronize(test_stream());
     return out.host();
   }
+  auto attention_chunks(int l, std::vector<kvq::query_chunk> const& chunks, std::vector<float> const& q, int q_heads,
+                        kvq::attention_options const& opt, std::vector<std::size_t> const& mask_bytes)
+      -> std::vector<float> {
+    device_buffer<float> dq(q), out(q.size());
+    std::vector<std::unique_ptr<device_buffer<unsigned char>>> masks;  // each chunk's mask rows on the device
+    std::vector<kvq::query_chunk> dchunks = chunks;
+    for (std::size_t i = 0; i < chunks.size(); ++i) {
+      auto const* m = static_cast<unsigned char const*>(chunks[i].mask_data);
+      std::size_t const n = i < mask_bytes.size() ? mask_bytes[i] : 0;
+      if (m == nullptr || n == 0) continue;
+      masks.push_back(std::make_unique<device_buffer<unsigned char>>(std::vector<unsigned char>(m, m + n)));
+      dchunks[i].mask_data = masks.back()->get();
+    }
+    kvq::paged_attention(cache_, l, std::span<kvq::query_chunk const>(dchunks), q.empty() ? nullptr : dq.get(), q_heads,
+                         q.empty() ? nullptr : out.get(), opt, test_stream());
+    cache_.synchronize(test_stream());
+    return out.host();
+  }
   auto pool() -> std::vector<std::uint8_t> {
     cache_.synchronize(test_stream());
     std::vector<std::uint8_t> v(cache_.pool_bytes());
@@ -297,6 +316,13 @@ TEST_CASE("cuda: GQA 32/8 and MHA 8/8 with the planner's splits", "[gqa]") {
 TEMPLATE_TEST_CASE("cuda: NaN and Inf inputs", "[special]", kvq::f32_codec, kvq::f16_codec, kvq::q8_0, kvq::q4_0,
                    kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, kvq::kivi<4>, kvq::mxfp4, kvq::nvfp4) {
   kt::run_special_values<TestType, device_harness>(64);
+}
+
+TEMPLATE_TEST_CASE("cuda: batched multi-token paged attention matches the CPU kvq::paged_attention",
+                   "[paged][multi_token]", kvq::q4_0, kvq::q8_0, kvq::f16_codec, kvq::kivi<4>,
+                   (kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>)) {
+  kt::run_paged_chunks<TestType, device_paged_harness>(64, 32, {128, 64});
+  kt::run_paged_chunks<TestType, device_paged_harness>(128, 0);  // the planner's splits
 }
 
 TEST_CASE("cuda: batched attention over caches of one shape", "[batched]") {

@@ -146,6 +146,8 @@ void use_core(float const* x, kvq::f16 const* h, kvq::bf16 const* b, float* out)
   p.read_values(f, 1, 0, 0, 2, reinterpret_cast<kvq::f16*>(out), 64, 0);
   kvq::sequence_id const ids[] = {s, f};
   p.attention(0, std::span<kvq::sequence_id const>(ids), x, 4, out, {}, 0);
+  kvq::query_chunk const chunks[] = {{s, 2, 0, nullptr, 0}, {s, 1, -1, nullptr, 0}};
+  p.attention(0, std::span<kvq::query_chunk const>(chunks), x, 4, out, {}, 0);
   p.truncate(f, 1, 0);
   p.release(f);
   // Exporting and importing a sequence.

@@ -73,6 +73,8 @@ void use_metal(MTL::Device* device, MTL::CommandQueue* queue, float const* x, kv
   p.read_values(f, 1, 0, 0, 2, reinterpret_cast<kvq::f16*>(out), 64);
   kvq::sequence_id const ids[] = {s, f};
   p.attention(0, std::span<kvq::sequence_id const>(ids), x, 4, out);
+  kvq::query_chunk const chunks[] = {{s, 2, 0, nullptr, 0}, {f, 1, -1, nullptr, 0}};
+  p.attention(0, std::span<kvq::query_chunk const>(chunks), x, 4, out);
   p.truncate(f, 1);
   p.release(f);
   // Exporting and importing a sequence.

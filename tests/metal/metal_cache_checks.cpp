@@ -242,6 +242,33 @@ void with_metal(report& r, F&& body) {
 #endif
 }
 
+/// Runs body(g, c) on a Metal paged cache of `shape` (KIVI residual `residual`, 64 threads per
+/// threadgroup) and a CPU paged cache of the same shape and residual, with the report at `where`.
+template <class Choice, class F>
+void with_paged_pair(report& r, std::string const& where, kvq::paged_shape const& shape, int residual, F&& body) {
+  r.where = where;
+  with_metal(r, [&](MTL::Device*, MTL::CommandQueue* queue, std::shared_ptr<kvq::metal_library> const& lib) {
+    typename kvq::PagedKVCache<Choice, kvq::metal>::options go;
+    go.residual = residual;
+    go.threads = 64;
+    kvq::PagedKVCache<Choice, kvq::metal> g(lib, queue, shape, go);
+    kvq::PagedKVCache<Choice> c(shape, {residual});
+    body(g, c);
+  });
+}
+
+/// Appends n tokens of seeded keys and values (seeds key_seed, value_seed) to `layer` of `seq` in
+/// the CPU paged cache `c`, then in the Metal paged cache `g`.
+template <class Gpu, class Cpu>
+void append_both(Gpu& g, Cpu& c, kvq::sequence_id seq, int layer, std::int64_t n, std::uint32_t key_seed,
+                 std::uint32_t value_seed) {
+  int const kv = c.shape().kv_heads, d = c.shape().head_dim;
+  auto const k = data(n * kv, d, key_seed);
+  auto const v = data(n * kv, d, value_seed);
+  c.append(seq, layer, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+  g.append(seq, layer, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+}
+
 template <class Choice>
 void check_choice(report& r, std::string const& name, int d, int residual) {
   using gpu_cache = kvq::QuantizedKVCache<Choice, kvq::metal>;
@@ -409,107 +436,96 @@ void check_choice(report& r, std::string const& name, int d, int residual) {
 /// attention within attention_tolerance, every page back at the end.
 template <class Choice>
 void check_paged_choice(report& r, std::string const& name, int d, int residual) {
-  using gpu_cache = kvq::PagedKVCache<Choice, kvq::metal>;
-  using cpu_cache = kvq::PagedKVCache<Choice>;
-  r.where = "paged " + name + " head_dim " + std::to_string(d) + " R " + std::to_string(residual);
-  with_metal(r, [&](MTL::Device*, MTL::CommandQueue* queue, std::shared_ptr<kvq::metal_library> const& lib) {
-    kvq::paged_shape const shape{2, 2, d, 32, 24, 6};
-    typename gpu_cache::options go;
-    go.residual = residual;
-    go.threads = 64;
-    {
-      gpu_cache g(lib, queue, shape, go);
-      cpu_cache c(shape, {residual});
-      int const kv = shape.kv_heads;
-      auto append = [&](kvq::sequence_id s, std::int64_t n, std::uint32_t seed) {
-        for (int l = 0; l < shape.layers; ++l) {
-          auto const k = data(n * kv, d, seed + 31u * static_cast<std::uint32_t>(l));
-          auto const v = data(n * kv, d, seed + 7u + 31u * static_cast<std::uint32_t>(l));
-          c.append(s, l, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
-          g.append(s, l, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
-        }
-      };
-      auto compare = [&](std::vector<kvq::sequence_id> const& live, std::string const& step) {
-        r.expect(c.pages().used_pages == g.pages().used_pages && c.pages().shared_pages == g.pages().shared_pages,
-                 step + ": page use differs");
-        r.expect(std::memcmp(c.key_storage(live.front(), 0, 0).pool, g.pool_buffer()->contents(),
-                             c.memory().total_bytes) == 0,
-                 step + ": pool bytes differ");
-        for (auto id : live)
-          for (int l = 0; l < shape.layers; ++l)
-            for (int h = 0; h < kv; ++h) {
-              std::int64_t const n = c.size(id, l);
-              std::vector<float> want(static_cast<std::size_t>(n * d)), got(want.size());
-              c.read_values(id, l, h, 0, n, want.data());
-              g.read_values(id, l, h, 0, n, got.data());
-              r.expect(std::memcmp(want.data(), got.data(), want.size() * 4) == 0, step + ": value reads differ");
-              c.read_keys(id, l, h, 0, n, want.data());
-              g.read_keys(id, l, h, 0, n, got.data());
-              r.expect(std::memcmp(want.data(), got.data(), want.size() * 4) == 0, step + ": key reads differ");
-            }
-        int const q_heads = 2 * kv;
-        auto const q = data(static_cast<std::int64_t>(live.size()) * q_heads, d, 99);
-        for (std::int64_t window : {0, 29}) {
-          kvq::attention_options opt;
-          opt.window = window;
-          for (int l = 0; l < shape.layers; ++l) {
-            std::vector<float> want(q.size()), got(q.size(), -1.0f);
-            kvq::paged_decode_attention(c, l, std::span<kvq::sequence_id const>(live), q.data(), q_heads, want.data(),
-                                        opt);
-            g.attention(l, std::span<kvq::sequence_id const>(live), q.data(), q_heads, got.data(), opt);
-            r.expect(
-                rel_error(want.data(), got.data(), q_heads * static_cast<int>(live.size()), d) <= attention_tolerance,
-                step + ": attention differs (window " + std::to_string(window) + ")");
+  kvq::paged_shape const shape{2, 2, d, 32, 24, 6};
+  std::string const where = "paged " + name + " head_dim " + std::to_string(d) + " R " + std::to_string(residual);
+  with_paged_pair<Choice>(r, where, shape, residual, [&](auto& g, auto& c) {
+    int const kv = shape.kv_heads;
+    auto append = [&](kvq::sequence_id s, std::int64_t n, std::uint32_t seed) {
+      for (int l = 0; l < shape.layers; ++l) {
+        std::uint32_t const at = seed + 31u * static_cast<std::uint32_t>(l);
+        append_both(g, c, s, l, n, at, at + 7u);
+      }
+    };
+    auto compare = [&](std::vector<kvq::sequence_id> const& live, std::string const& step) {
+      r.expect(c.pages().used_pages == g.pages().used_pages && c.pages().shared_pages == g.pages().shared_pages,
+               step + ": page use differs");
+      r.expect(
+          std::memcmp(c.key_storage(live.front(), 0, 0).pool, g.pool_buffer()->contents(), c.memory().total_bytes) == 0,
+          step + ": pool bytes differ");
+      for (auto id : live)
+        for (int l = 0; l < shape.layers; ++l)
+          for (int h = 0; h < kv; ++h) {
+            std::int64_t const n = c.size(id, l);
+            std::vector<float> want(static_cast<std::size_t>(n * d)), got(want.size());
+            c.read_values(id, l, h, 0, n, want.data());
+            g.read_values(id, l, h, 0, n, got.data());
+            r.expect(std::memcmp(want.data(), got.data(), want.size() * 4) == 0, step + ": value reads differ");
+            c.read_keys(id, l, h, 0, n, want.data());
+            g.read_keys(id, l, h, 0, n, got.data());
+            r.expect(std::memcmp(want.data(), got.data(), want.size() * 4) == 0, step + ": key reads differ");
           }
+      int const q_heads = 2 * kv;
+      auto const q = data(static_cast<std::int64_t>(live.size()) * q_heads, d, 99);
+      for (std::int64_t window : {0, 29}) {
+        kvq::attention_options opt;
+        opt.window = window;
+        for (int l = 0; l < shape.layers; ++l) {
+          std::vector<float> want(q.size()), got(q.size(), -1.0f);
+          kvq::paged_decode_attention(c, l, std::span<kvq::sequence_id const>(live), q.data(), q_heads, want.data(),
+                                      opt);
+          g.attention(l, std::span<kvq::sequence_id const>(live), q.data(), q_heads, got.data(), opt);
+          r.expect(
+              rel_error(want.data(), got.data(), q_heads * static_cast<int>(live.size()), d) <= attention_tolerance,
+              step + ": attention differs (window " + std::to_string(window) + ")");
         }
-      };
-      auto const root = c.add_sequence();
-      r.expect(g.add_sequence() == root, "sequence ids differ");
-      append(root, 70, 1);
-      std::vector<kvq::sequence_id> live{root};
-      for (int i = 0; i < 3; ++i) {
-        auto const a = c.fork(root);
-        r.expect(g.fork(root) == a, "fork ids differ");
-        live.push_back(a);
       }
-      compare(live, "forked");
-      for (std::size_t i = 1; i < live.size(); ++i)
-        append(live[i], 5 + 29 * static_cast<std::int64_t>(i - 1), 100u * static_cast<std::uint32_t>(i));
-      c.truncate(live[2], 72);
-      g.truncate(live[2], 72);
-      c.release(live[1]);
-      g.release(live[1]);
-      live.erase(live.begin() + 1);
-      auto const b = c.fork(live[1]);
-      r.expect(g.fork(live[1]) == b, "fork ids differ");
-      live.push_back(b);
-      append(b, 3, 600);
-      compare(live, "diverged");
-      for (auto id : live) {
-        c.release(id);
-        g.release(id);
-      }
-      r.expect(g.pages().free_pages == shape.pages, "pages leaked");
-      // Misuse: typed errors, nothing changed.
-      auto const a = g.add_sequence();
-      std::int64_t const too_many = 32 * (shape.pages + 1);
-      auto const k = data(too_many * kv, d, 5);
-      bool raised = false;
-      try {
-        g.append(a, 0, kvq::token_major(k.data(), too_many, kv, d), kvq::token_major(k.data(), too_many, kv, d));
-      } catch (kvq::capacity_error const&) {
-        raised = true;
-      }
-      r.expect(raised && g.size(a) == 0 && g.pages().used_pages == 0, "out of pages: not a clean capacity_error");
-      raised = false;
-      try {
-        float x = 0;
-        g.read_keys(a + 1, 0, 0, 0, 1, &x);
-      } catch (kvq::index_error const&) {
-        raised = true;
-      }
-      r.expect(raised, "an unknown sequence: no index_error");
+    };
+    auto const root = c.add_sequence();
+    r.expect(g.add_sequence() == root, "sequence ids differ");
+    append(root, 70, 1);
+    std::vector<kvq::sequence_id> live{root};
+    for (int i = 0; i < 3; ++i) {
+      auto const a = c.fork(root);
+      r.expect(g.fork(root) == a, "fork ids differ");
+      live.push_back(a);
     }
+    compare(live, "forked");
+    for (std::size_t i = 1; i < live.size(); ++i)
+      append(live[i], 5 + 29 * static_cast<std::int64_t>(i - 1), 100u * static_cast<std::uint32_t>(i));
+    c.truncate(live[2], 72);
+    g.truncate(live[2], 72);
+    c.release(live[1]);
+    g.release(live[1]);
+    live.erase(live.begin() + 1);
+    auto const b = c.fork(live[1]);
+    r.expect(g.fork(live[1]) == b, "fork ids differ");
+    live.push_back(b);
+    append(b, 3, 600);
+    compare(live, "diverged");
+    for (auto id : live) {
+      c.release(id);
+      g.release(id);
+    }
+    r.expect(g.pages().free_pages == shape.pages, "pages leaked");
+    // Misuse: typed errors, nothing changed.
+    auto const a = g.add_sequence();
+    std::int64_t const too_many = 32 * (shape.pages + 1);
+    auto const k = data(too_many * kv, d, 5);
+    bool raised = false;
+    try {
+      g.append(a, 0, kvq::token_major(k.data(), too_many, kv, d), kvq::token_major(k.data(), too_many, kv, d));
+    } catch (kvq::capacity_error const&) {
+      raised = true;
+    }
+    r.expect(raised && g.size(a) == 0 && g.pages().used_pages == 0, "out of pages: not a clean capacity_error");
+    raised = false;
+    try {
+      float x = 0;
+      g.read_keys(a + 1, 0, 0, 0, 1, &x);
+    } catch (kvq::index_error const&) {
+      raised = true;
+    }
+    r.expect(raised, "an unknown sequence: no index_error");
   });
 }
 
@@ -681,6 +697,131 @@ void check_multi_token_choice(report& r, std::string const& name, int d, int res
   });
 }
 
+/// Batched multi-token attention of the Metal paged cache (its attention over query chunks)
+/// against the CPU kvq::paged_attention: three sequences of different lengths with interleaved
+/// pages, one mixed batch (a prefill chunk of 64 tokens, a draft of 8, a decode token, crossing
+/// pages), causal, no mask from given positions, a window, additive and boolean masks per chunk,
+/// sinks; errors of the CPU's types with the cache unchanged.
+template <class Choice>
+void check_paged_chunks_choice(report& r, std::string const& name, int d, int residual) {
+  kvq::paged_shape const shape{1, 2, d, 32, 24, 4};
+  std::string const where =
+      "paged chunks " + name + " head_dim " + std::to_string(d) + " R " + std::to_string(residual);
+  with_paged_pair<Choice>(r, where, shape, residual, [&](auto& g, auto& c) {
+    int const kv = shape.kv_heads;
+    std::uint32_t seed = static_cast<std::uint32_t>(3 * d + residual);
+    auto append = [&](kvq::sequence_id sq, std::int64_t n) {
+      seed += 2;
+      append_both(g, c, sq, 0, n, seed - 1, seed);
+    };
+    kvq::sequence_id ids[3];
+    for (auto& id : ids) {
+      id = c.add_sequence();
+      r.expect(g.add_sequence() == id, "sequence ids differ");
+    }
+    auto const a = ids[0], b = ids[1], e = ids[2];
+    append(a, 90);
+    append(b, 40);
+    append(e, 20);
+    append(a, 64);
+    append(b, 35);
+    append(e, 45);
+    std::int64_t const la = 154, lb = 75, le = 65;
+    int const q_heads = 2 * kv;
+    auto compare = [&](std::string const& step, std::vector<kvq::query_chunk> const& chunks,
+                       kvq::attention_options const& opt) {
+      std::int64_t rows = 0;
+      for (auto const& ch : chunks) rows += ch.n_q;
+      auto const q = data(rows * q_heads, d, ++seed);
+      std::vector<float> want(q.size(), -5.0f), got(q.size(), -7.0f);
+      kvq::paged_attention(c, 0, std::span<kvq::query_chunk const>(chunks), q.data(), q_heads, want.data(), opt);
+      g.attention(0, std::span<kvq::query_chunk const>(chunks), q.data(), q_heads, got.data(), opt);
+      double const err = rel_error(want.data(), got.data(), static_cast<int>(rows) * q_heads, d);
+      r.expect(err <= attention_tolerance, step + ": error " + std::to_string(err));
+    };
+    std::vector<kvq::query_chunk> const mixed{{a, 64}, {b, 8}, {e, 1}};
+    std::vector<kvq::query_chunk> const placed{{a, 64, 13}, {b, 8, 30}, {e, 1, 64}};
+    compare("causal", mixed, {});
+    kvq::attention_options none;
+    none.mask = kvq::mask_kind::none;
+    compare("no mask from given positions", placed, none);
+    kvq::attention_options win;
+    win.window = 40;
+    win.softcap = 15.0f;
+    win.query = kvq::query_precision::q8_0;
+    compare("window", mixed, win);
+    // Additive masks, each chunk its own stride, -Inf holes and one row all -Inf.
+    {
+      std::int64_t const lens[3] = {la, lb, le}, strides[3] = {la + 3, 0, le};
+      std::vector<float> bias[3];
+      std::vector<kvq::query_chunk> masked = mixed;
+      for (std::size_t i = 0; i < 3; ++i) {
+        std::int64_t const stride = strides[i] > 0 ? strides[i] : lens[i];
+        bias[i] = data(masked[i].n_q, static_cast<int>(stride), ++seed);
+        for (std::size_t j = 0; j < bias[i].size(); ++j)
+          if (j % 5 == 2 || (i == 0 && j / static_cast<std::size_t>(stride) == 7))
+            bias[i][j] = -std::numeric_limits<float>::infinity();
+        masked[i].mask_data = bias[i].data();
+        masked[i].mask_stride = strides[i];
+      }
+      kvq::attention_options add;
+      add.mask = kvq::mask_kind::additive;
+      compare("additive masks", masked, add);
+    }
+    // Boolean masks: a random pattern per chunk, one row that allows nothing.
+    {
+      std::int64_t const lens[3] = {la, lb, le};
+      std::vector<std::uint8_t> allow[3];
+      std::vector<kvq::query_chunk> masked = placed;
+      for (std::size_t i = 0; i < 3; ++i) {
+        std::size_t const len = static_cast<std::size_t>(lens[i]);
+        auto const rnd = data(masked[i].n_q, static_cast<int>(lens[i]), ++seed);
+        allow[i].resize(rnd.size());
+        for (std::size_t j = 0; j < rnd.size(); ++j)
+          allow[i][j] = static_cast<std::uint8_t>(rnd[j] > -0.5f && !(i == 0 && j / len == 9) ? 1 + j % 3 : 0);
+        masked[i].mask_data = allow[i].data();
+      }
+      kvq::attention_options boolean;
+      boolean.mask = kvq::mask_kind::boolean;
+      compare("boolean masks", masked, boolean);
+    }
+    // Sinks, causal and with no mask; a repeated sequence and an empty chunk.
+    std::vector<float> sinks = {0.5f, -std::numeric_limits<float>::infinity(), 3.0f, -2.0f};
+    kvq::attention_options sk;
+    sk.sinks = sinks.data();
+    compare("sinks", mixed, sk);
+    sk.mask = kvq::mask_kind::none;
+    sk.window = 30;
+    compare("sinks, no mask, odd batch", {{b, 8}, {e, 0}, {a, 1}, {a, 64, 20}, {b, 3, 10}}, sk);
+    // Errors: the CPU's types, the cache unchanged.
+    auto const q = data(80 * q_heads, d, ++seed);
+    auto same_error = [&](std::string const& step, std::vector<kvq::query_chunk> const& chunks, int qh,
+                          kvq::attention_options const& o) {
+      std::vector<float> out(q.size());
+      std::string const want = error_name(
+          [&] { kvq::paged_attention(c, 0, std::span<kvq::query_chunk const>(chunks), q.data(), qh, out.data(), o); });
+      std::string const got =
+          error_name([&] { g.attention(0, std::span<kvq::query_chunk const>(chunks), q.data(), qh, out.data(), o); });
+      r.expect(want != "none" && got == want, step + ": expected " + want + ", got " + got);
+    };
+    same_error("q_heads", mixed, 3, {});
+    same_error("unknown sequence", {{a, 8}, {e + 7, 1}}, q_heads, {});
+    same_error("past the sequence", {{b, 8, lb - 4}}, q_heads, {});
+    kvq::attention_options own;
+    own.first_pos = 3;
+    same_error("first_pos in the options", mixed, q_heads, own);
+    kvq::attention_options no_mask;
+    no_mask.mask = kvq::mask_kind::boolean;
+    same_error("no mask rows", mixed, q_heads, no_mask);
+    float const nan_sinks[4] = {0.0f, std::numeric_limits<float>::quiet_NaN(), 0.0f, 0.0f};
+    kvq::attention_options bad_sink;
+    bad_sink.sinks = nan_sinks;
+    same_error("NaN sink", mixed, q_heads, bad_sink);
+    r.expect(g.size(a, 0) == la && g.pages().used_pages == c.pages().used_pages,
+             "a failed attention changed the cache");
+  });
+}
+
 }  // namespace
 
 auto run_metal_attention_checks(int head_dim) -> std::vector<std::string> {
@@ -692,6 +833,9 @@ auto run_metal_attention_checks(int head_dim) -> std::vector<std::string> {
   check_multi_token_choice<kvq::kivi<4>>(r, "kivi4", head_dim, 32);
   check_multi_token_choice<kvq::f16_codec>(r, "f16", head_dim, 0);
   check_multi_token_choice<kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>>(r, "q8_0/kivi2", head_dim, 128);
+  check_paged_chunks_choice<kvq::q4_0>(r, "q4_0", head_dim, 0);
+  check_paged_chunks_choice<kvq::kivi<4>>(r, "kivi4", head_dim, 32);
+  check_paged_chunks_choice<kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>>(r, "q8_0/kivi2", head_dim, 32);
   pool->release();
   return r.failures;
 }

@@ -741,6 +741,39 @@ struct paged_attention_launch {
   detail::vector<std::int32_t> pages;
 };
 
+/// Sets the paged fields of attention arguments for `layer` of `core`: the regions' offsets inside
+/// a page, the page size in bytes and in tokens.
+template <class Core>
+void set_paged_regions(Core const& core, int layer, kvq_attention_args& a) {
+  layer_state const empty{};
+  kvq_region const k0 = core.page_region(true, empty, layer, 0, 0, 0);
+  kvq_region const v0 = core.page_region(false, empty, layer, 0, 0, 0);
+  a.key.head0 = k0.head0;
+  a.key.head_stride = k0.head_stride;
+  a.key.residual_stride = k0.residual_stride;
+  a.value.head0 = v0.head0;
+  a.value.head_stride = v0.head_stride;
+  a.value.residual_stride = v0.residual_stride;
+  a.page_bytes = core.geometry().page_bytes;
+  a.page_tokens = core.shape().page_tokens;
+}
+
+/// The attention sequence of `layer` of sequence `s` (live) attending tokens [begin, end), its
+/// page table appended to the page-table buffer `pages` (which the result indexes).
+template <class Core>
+auto paged_attention_sequence(Core const& core, int layer, sequence_id s, std::int64_t begin, std::int64_t end,
+                              detail::vector<std::int32_t>& pages) -> kvq_attention_seq {
+  layer_state const& st = core.state(s, layer);
+  int const slot = core.slot_index_of(s);
+  kvq_attention_seq q = attention_sequence(core.key_side(), core.value_side(), st, begin, end);
+  q.pages_first = static_cast<std::int32_t>(pages.size());
+  q.key_residual0 = core.page_region(true, st, layer, slot, 0, 0).residual0;
+  q.value_residual0 = core.page_region(false, st, layer, slot, 0, 0).residual0;
+  auto const& table = core.page_table(s);
+  pages.insert(pages.end(), table.begin(), table.end());
+  return q;
+}
+
 /// Plans the batched attention of `seqs` (checked live) over `layer` of `core` for `q_heads` query
 /// heads: each sequence attends its last `window` tokens (0: all), scale resolved, softcap,
 /// query and probability precision as the flags say, on a device `dev`. Returns false when the
@@ -759,30 +792,13 @@ auto plan_paged_attention(Core const& core, int layer, std::span<sequence_id con
   if (!plan_attention(shape.head_dim, shape.kv_heads, q_heads, batch, span, query_q8_0, dev, out.plan)) return false;
   out.args = attention_arguments(core.key_side(), core.value_side(), shape.head_dim, shape.kv_heads, q_heads, out.plan,
                                  scale, softcap, query_q8_0, probs_f16);
-  layer_state const empty{};
-  kvq_region const k0 = core.page_region(true, empty, layer, 0, 0, 0);
-  kvq_region const v0 = core.page_region(false, empty, layer, 0, 0, 0);
-  out.args.key.head0 = k0.head0;
-  out.args.key.head_stride = k0.head_stride;
-  out.args.key.residual_stride = k0.residual_stride;
-  out.args.value.head0 = v0.head0;
-  out.args.value.head_stride = v0.head_stride;
-  out.args.value.residual_stride = v0.residual_stride;
-  out.args.page_bytes = core.geometry().page_bytes;
-  out.args.page_tokens = shape.page_tokens;
+  set_paged_regions(core, layer, out.args);
   out.seqs.clear();
   out.pages.clear();
   for (sequence_id s : seqs) {
     layer_state const& st = core.state(s, layer);
-    int const slot = core.slot_index_of(s);
     std::int64_t const begin = window > 0 ? std::max<std::int64_t>(0, st.length - window) : 0;
-    kvq_attention_seq q = attention_sequence(core.key_side(), core.value_side(), st, begin, st.length);
-    q.pages_first = static_cast<std::int32_t>(out.pages.size());
-    q.key_residual0 = core.page_region(true, st, layer, slot, 0, 0).residual0;
-    q.value_residual0 = core.page_region(false, st, layer, slot, 0, 0).residual0;
-    auto const& table = core.page_table(s);
-    out.pages.insert(out.pages.end(), table.begin(), table.end());
-    out.seqs.push_back(q);
+    out.seqs.push_back(paged_attention_sequence(core, layer, s, begin, st.length, out.pages));
   }
   return true;
 }

@@ -243,4 +243,15 @@ void paged_decode_attention(PagedKVCache<Choice, cuda>& cache, int layer, std::s
   cache.attention(layer, seqs, q, q_heads, out, opt, stream);
 }
 
+/// Multi-token attention of a batch of query chunks (chunked prefill, speculative verification and
+/// decode of many sequences in one call) over `layer` of a CUDA paged cache, as the CPU
+/// kvq::paged_attention: q and out (Σ n_q, q_heads, head_dim) f32 and each chunk's mask_data in
+/// device memory, opt.sinks (q_heads floats) in host memory; on `stream`, without waiting. Same
+/// options, masks, errors and results (to fp32 rounding) as the CPU kvq::paged_attention.
+template <codec_choice Choice>
+void paged_attention(PagedKVCache<Choice, cuda>& cache, int layer, std::span<query_chunk const> chunks, float const* q,
+                     int q_heads, float* out, attention_options const& opt, cudaStream_t stream) {
+  cache.attention(layer, chunks, q, q_heads, out, opt, stream);
+}
+
 KVQ_NAMESPACE_END

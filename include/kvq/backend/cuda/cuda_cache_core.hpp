@@ -422,6 +422,45 @@ auto upload_sinks(Runtime const& rt, Core& core, float const* sinks, int q_heads
   return static_cast<float const*>(dst);
 }
 
+/// What the launches of one attention call share: the cache's kv heads and head_dim, the query
+/// heads, the workspace of the partial states and the sinks (q_heads floats on the device, or null).
+struct cuda_attention_call {
+  int kv_heads = 0;
+  int head_dim = 0;
+  int q_heads = 0;
+  float* scratch = nullptr;
+  float const* sinks = nullptr;
+};
+
+/// Launches the partial attention of `batch` sequences (the grid's z) of `rows` (query token, query
+/// head) rows each, as `plan` says, with b's partial states pointed into call.scratch, then the
+/// combine into `out`; zeros the batch * rows output rows instead when `plan` attends nothing.
+template <int KC, int VC, class Runtime, class Core>
+void cuda_attend_rows(Runtime const& rt, Core& core, cuda_attention_call const& call, kvq_attention_args const& a,
+                      attention_plan const& plan, kvq_cuda::attention_batch& b, std::size_t rows, std::size_t batch,
+                      float* out, typename Runtime::stream_type stream) {
+  std::size_t const d = static_cast<std::size_t>(call.head_dim);
+  if (plan.splits == 0) {
+    core.succeed(rt.zero(out, batch * rows * d * sizeof(float), stream));
+    return;
+  }
+  std::size_t const parts = batch * static_cast<std::size_t>(plan.splits) * rows;
+  b.part_out = call.scratch;
+  b.part_max = call.scratch + parts * d;
+  b.part_sum = b.part_max + parts;
+  kvq_combine_args cb{};
+  cb.q_heads = static_cast<std::int32_t>(rows);
+  cb.head_dim = call.head_dim;
+  cb.splits = plan.splits;
+  cb.batch = static_cast<std::int32_t>(batch);
+  cb.sinks = call.sinks != nullptr ? call.q_heads : 0;
+  core.succeed(rt.template attention<KC, VC>(a, b, static_cast<unsigned>(plan.splits),
+                                             static_cast<unsigned>(call.kv_heads * plan.chunks),
+                                             static_cast<unsigned>(batch), plan.threads, plan.smem_bytes, stream));
+  core.succeed(rt.combine(cb, b.part_out, b.part_max, b.part_sum, call.sinks, out,
+                          static_cast<long long>(batch * rows * d), stream));
+}
+
 /// Decode attention of `caches` (same shape and options) over `layer`, one query token each:
 /// q and out (caches.size(), q_heads, head_dim) f32 on the device. Checks everything first (no
 /// cache changes either way), then launches the attention and combine kernels once per 64
@@ -542,38 +581,25 @@ void cuda_attention_tokens(cuda_cache_core<Choice, Runtime>& c, int layer, float
   std::size_t const qd = static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(d);
   std::size_t const mask_row =
       static_cast<std::size_t>(kopt.mask_stride) * (opt.mask == mask_kind::additive ? sizeof(float) : 1);
+  cuda_attention_call const call{shape.kv_heads, d, q_heads, scratch, sinks};
   for (auto const& l : launches) {
     std::size_t const i0 = static_cast<std::size_t>(l.first);
     std::size_t const rows = static_cast<std::size_t>(l.tokens) * static_cast<std::size_t>(q_heads);
-    if (l.plan.splits == 0) {  // no query of the launch attends anything: zeros
-      core.succeed(c.runtime().zero(out + i0 * qd, rows * static_cast<std::size_t>(d) * sizeof(float), stream));
-      continue;
-    }
-    kvq_attention_args a = attention_arguments(core.key_side(), core.value_side(), d, shape.kv_heads, q_heads, l.plan,
-                                               scale, opt.softcap, q8, opt.probabilities == probability_precision::f16);
-    set_query_tokens(a, static_cast<int>(l.tokens), kopt, kopt.mask_stride);
+    kvq_attention_args a{};
     kvq_cuda::attention_batch b{};
-    b.seq[0] = attention_sequence(core.key_side(), core.value_side(), core.state(layer), l.begin, l.end);
-    b.seq[0].first_pos = static_cast<std::int32_t>(first + l.first);
-    b.layer[0] = core.layer(layer);
-    b.q = q + i0 * qd;
-    bool const custom = opt.mask == mask_kind::additive || opt.mask == mask_kind::boolean;
-    b.mask = custom ? static_cast<unsigned char const*>(opt.mask_data) + i0 * mask_row : nullptr;
-    std::size_t const parts = static_cast<std::size_t>(l.plan.splits) * rows;
-    b.part_out = scratch;
-    b.part_max = scratch + parts * static_cast<std::size_t>(d);
-    b.part_sum = b.part_max + parts;
-    kvq_combine_args cb{};
-    cb.q_heads = static_cast<std::int32_t>(rows);
-    cb.head_dim = d;
-    cb.splits = l.plan.splits;
-    cb.batch = 1;
-    cb.sinks = sinks != nullptr ? q_heads : 0;
-    core.succeed(c.runtime().template attention<cache::key_id, cache::value_id>(
-        a, b, static_cast<unsigned>(l.plan.splits), static_cast<unsigned>(shape.kv_heads * l.plan.chunks), 1u,
-        l.plan.threads, l.plan.smem_bytes, stream));
-    core.succeed(c.runtime().combine(cb, b.part_out, b.part_max, b.part_sum, sinks, out + i0 * qd,
-                                     static_cast<long long>(rows) * d, stream));
+    if (l.plan.splits > 0) {  // else no query of the launch attends anything: zeros
+      a = attention_arguments(core.key_side(), core.value_side(), d, shape.kv_heads, q_heads, l.plan, scale,
+                              opt.softcap, q8, opt.probabilities == probability_precision::f16);
+      set_query_tokens(a, static_cast<int>(l.tokens), kopt, kopt.mask_stride);
+      b.seq[0] = attention_sequence(core.key_side(), core.value_side(), core.state(layer), l.begin, l.end);
+      b.seq[0].first_pos = static_cast<std::int32_t>(first + l.first);
+      b.layer[0] = core.layer(layer);
+      b.q = q + i0 * qd;
+      bool const custom = opt.mask == mask_kind::additive || opt.mask == mask_kind::boolean;
+      b.mask = custom ? static_cast<unsigned char const*>(opt.mask_data) + i0 * mask_row : nullptr;
+    }
+    cuda_attend_rows<cache::key_id, cache::value_id>(c.runtime(), core, call, a, l.plan, b, rows, 1, out + i0 * qd,
+                                                     stream);
   }
 }
 

@@ -4,7 +4,9 @@
 // the host: the paged core (core/paged_core.hpp: sequences, page tables, copy-on-write, the flat
 // cache's plans cut at page boundaries) over the CUDA device of cuda_cache_core.hpp, plus the
 // batched decode attention: one partial-attention launch for the whole batch over the pages (the
-// sequences and their page tables uploaded to the workspace) and one combine launch. The pool is one device
+// sequences and their page tables uploaded to the workspace) and one combine launch; and the
+// batched multi-token attention of query chunks (kvq::paged_attention): the launches of each
+// chunk in turn (core/query_launches.hpp) over its sequence's pages. The pool is one device
 // allocation laid out as the CPU paged cache's (paged_cache.hpp), so bytes are the CPU's. Besides
 // cuda_cache_core.hpp's Runtime interface it needs
 //   auto upload(void* dst, void const* src, std::size_t bytes, stream_type) -> device_status;  // host to device
@@ -20,6 +22,8 @@
 #include <string>
 
 #include "../../core/paged_core.hpp"
+#include "../../core/query_launches.hpp"
+#include "../../paged_attention.hpp"
 #include "../../paged_cache.hpp"
 #include "cuda_cache_core.hpp"
 
@@ -139,42 +143,57 @@ class cuda_paged_cache_core : public cache_codecs<Choice> {
       core_.succeed(runtime().zero(out, batch * qd * sizeof(float), stream));
       return;
     }
-    // Workspace: partial states, then the sequences and the page tables (uploaded).
-    auto& ws = core_.device().workspace();
-    auto const align = [](std::size_t n) { return (n + 255) / 256 * 256; };
-    std::size_t const scratch_bytes = align(L.plan.scratch_floats * sizeof(float));
-    std::size_t const seq_bytes = align(L.seqs.size() * sizeof(kvq_attention_seq));
-    std::size_t const page_bytes = align(std::max<std::size_t>(L.pages.size(), 1) * sizeof(std::int32_t));
-    ws.reserve(scratch_bytes + seq_bytes + page_bytes + static_cast<std::size_t>(q_heads) * sizeof(float));
-    auto* base = static_cast<unsigned char*>(ws.data());
-    auto* scratch = reinterpret_cast<float*>(base);
-    auto* seqs_dev = reinterpret_cast<kvq_attention_seq*>(base + scratch_bytes);
-    auto* pages = reinterpret_cast<std::int32_t*>(base + scratch_bytes + seq_bytes);
-    float const* sinks =
-        upload_sinks(runtime(), core_, opt.sinks, q_heads, base + scratch_bytes + seq_bytes + page_bytes, stream);
-    core_.succeed(runtime().upload(seqs_dev, L.seqs.data(), L.seqs.size() * sizeof(kvq_attention_seq), stream));
-    if (!L.pages.empty())
-      core_.succeed(runtime().upload(pages, L.pages.data(), L.pages.size() * sizeof(std::int32_t), stream));
-    std::size_t const parts = batch * static_cast<std::size_t>(L.plan.splits);
+    paged_workspace const w = stage_workspace(L.plan.scratch_floats, L.seqs, L.pages, opt.sinks, q_heads, stream);
     kvq_cuda::attention_batch b{};
-    b.part_out = scratch;
-    b.part_max = scratch + parts * qd;
-    b.part_sum = b.part_max + parts * static_cast<std::size_t>(q_heads);
-    b.seqs = seqs_dev;
-    b.pages = pages;
+    b.seqs = w.seqs;
+    b.pages = w.pages;
     b.layer[0] = core_.pool();
     b.q = q;
-    kvq_combine_args cb{};
-    cb.q_heads = q_heads;
-    cb.head_dim = d;
-    cb.splits = L.plan.splits;
-    cb.batch = static_cast<std::int32_t>(batch);
-    cb.sinks = sinks != nullptr ? q_heads : 0;
-    core_.succeed(runtime().template attention<key_id, value_id>(
-        L.args, b, static_cast<unsigned>(L.plan.splits), static_cast<unsigned>(sh.kv_heads * L.plan.chunks),
-        static_cast<unsigned>(batch), L.plan.threads, L.plan.smem_bytes, stream));
-    core_.succeed(runtime().combine(cb, b.part_out, b.part_max, b.part_sum, sinks, out,
-                                    static_cast<long long>(batch) * static_cast<long long>(qd), stream));
+    cuda_attend_rows<key_id, value_id>(runtime(), core_, {sh.kv_heads, d, q_heads, w.scratch, w.sinks}, L.args, L.plan,
+                                       b, static_cast<std::size_t>(q_heads), batch, out, stream);
+  }
+
+  /// Multi-token attention of a batch of query chunks (kvq::query_chunk: a prefill chunk, a draft,
+  /// a decode token, each over its own sequence) over `layer`: q and out (Σ n_q, q_heads, head_dim)
+  /// f32 and every chunk's mask_data on the device, opt.sinks (q_heads floats) on the host. Per
+  /// chunk, one partial-attention launch and its combine per launch of plan_query_launches, on
+  /// `stream`, without waiting. Options, masks, errors and results (to fp32 rounding) as the CPU
+  /// kvq::paged_attention (opt.first_pos, mask_data and mask_stride must stay unset); checks
+  /// everything first.
+  void attention(int layer, std::span<query_chunk const> chunks, float const* q, int q_heads, float* out,
+                 attention_options const& opt, stream_type stream) {
+    using namespace detail;
+    core_.check_usable();
+    int const d = shape().head_dim;
+    paged_query_plan const P = plan_paged_query_chunks(core_, layer, chunks, q, q_heads, out, opt,
+                                                       flat_type::attention_device(runtime(), opt_));
+    if (P.rows == 0) return;
+    std::size_t const qd = static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(d);
+    std::size_t runs = 0;
+    for (auto const& l : P.launches) runs += l.plan.splits > 0 ? 1 : 0;
+    if (runs == 0) {  // nothing attended: zeros
+      core_.succeed(runtime().zero(out, static_cast<std::size_t>(P.rows) * qd * sizeof(float), stream));
+      return;
+    }
+    detail::vector<kvq_attention_seq> seqs;
+    seqs.reserve(runs);
+    for (auto const& l : P.launches)
+      if (l.plan.splits > 0) seqs.push_back(l.seq);
+    paged_workspace const w = stage_workspace(P.scratch_floats, seqs, P.pages, opt.sinks, q_heads, stream);
+    cuda_attention_call const call{shape().kv_heads, d, q_heads, w.scratch, w.sinks};
+    std::size_t run = 0;
+    for (auto const& l : P.launches) {
+      std::size_t const i0 = static_cast<std::size_t>(l.row0);
+      kvq_cuda::attention_batch b{};
+      if (l.plan.splits > 0) b.seqs = w.seqs + run++;  // else no query of the launch attends anything: zeros
+      b.pages = w.pages;
+      b.layer[0] = core_.pool();
+      b.q = q + i0 * qd;
+      b.mask = l.mask;
+      cuda_attend_rows<key_id, value_id>(runtime(), core_, call, l.args, l.plan, b,
+                                         static_cast<std::size_t>(l.tokens) * static_cast<std::size_t>(q_heads), 1,
+                                         out + i0 * qd, stream);
+    }
   }
 
   /// Waits for `stream`; a failure of the work queued so far raises device_error and marks the cache
@@ -194,6 +213,41 @@ class cuda_paged_cache_core : public cache_codecs<Choice> {
         s, o.residual, o.key, o.value, detail::cuda_device<Runtime>::max_capacity, "CUDA paged cache");
     flat_type::check_launch(s.head_dim, s.kv_heads, o, rt, "CUDA paged cache");
     return o;
+  }
+
+  /// Where a paged attention's launches find their data in the workspace (device pointers).
+  struct paged_workspace {
+    float* scratch = nullptr;
+    kvq_attention_seq const* seqs = nullptr;
+    std::int32_t const* pages = nullptr;
+    float const* sinks = nullptr;  ///< null without sinks
+  };
+
+  /// Lays out the workspace as the partial states (`scratch_floats`), `seqs`, the page-table
+  /// buffer `pages` and the sinks (q_heads host floats, or null), and uploads all but the first on
+  /// `stream`.
+  auto stage_workspace(std::size_t scratch_floats, std::span<kvq_attention_seq const> seqs,
+                       std::span<std::int32_t const> pages, float const* sinks, int q_heads, stream_type stream)
+      -> paged_workspace {
+    using detail::workspace_align;
+    auto& ws = core_.device().workspace();
+    std::size_t const scratch_bytes = workspace_align(scratch_floats * sizeof(float));
+    std::size_t const seq_bytes = workspace_align(seqs.size() * sizeof(kvq_attention_seq));
+    std::size_t const page_bytes = workspace_align(std::max<std::size_t>(pages.size(), 1) * sizeof(std::int32_t));
+    ws.reserve(scratch_bytes + seq_bytes + page_bytes + static_cast<std::size_t>(q_heads) * sizeof(float));
+    auto* base = static_cast<unsigned char*>(ws.data());
+    auto* seqs_dev = reinterpret_cast<kvq_attention_seq*>(base + scratch_bytes);
+    auto* pages_dev = reinterpret_cast<std::int32_t*>(base + scratch_bytes + seq_bytes);
+    paged_workspace w;
+    w.scratch = reinterpret_cast<float*>(base);
+    w.seqs = seqs_dev;
+    w.pages = pages_dev;
+    w.sinks =
+        detail::upload_sinks(runtime(), core_, sinks, q_heads, base + scratch_bytes + seq_bytes + page_bytes, stream);
+    core_.succeed(runtime().upload(seqs_dev, seqs.data(), seqs.size() * sizeof(kvq_attention_seq), stream));
+    if (!pages.empty())
+      core_.succeed(runtime().upload(pages_dev, pages.data(), pages.size() * sizeof(std::int32_t), stream));
+    return w;
   }
 
   template <element T>

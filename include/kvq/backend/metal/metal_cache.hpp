@@ -53,6 +53,7 @@ KVQ_NAMESPACE_END
 #  include <map>
 #  include <memory>
 #  include <mutex>
+#  include <span>
 #  include <string>
 #  include <tuple>
 #  include <utility>
@@ -63,6 +64,7 @@ KVQ_NAMESPACE_END
 #  include "../../core/cache_core.hpp"
 #  include "../../core/paged_core.hpp"
 #  include "../../core/query_launches.hpp"
+#  include "../../paged_attention.hpp"
 #  include "../../paged_cache.hpp"
 #  include "kernels_metal_src.hpp"
 
@@ -443,6 +445,135 @@ inline void metal_bind_no_mask(MTL::ComputeCommandEncoder* enc) {
   enc->setBytes(&none, sizeof none, 8);
 }
 
+/// The attention kernels of a cache on its device: the partial attention of its codecs and the
+/// combine, with the threads per threadgroup (the cache's option rounded down to the SIMD width,
+/// at least one SIMD group) and the threadgroup memory left to the partial attention.
+struct metal_attention_kernels {
+  MTL::ComputePipelineState* partial = nullptr;
+  MTL::ComputePipelineState* combine = nullptr;
+  NS::UInteger threads = 0;
+  std::size_t smem = 0;
+
+  /// The launch settings of these kernels for `head_dim`, splits of `split_tokens` (0: planned).
+  auto device(int head_dim, std::int64_t split_tokens) const -> attention_device {
+    return metal_attention_device(head_dim, smem, static_cast<std::uint32_t>(threads), split_tokens);
+  }
+};
+
+/// The attention kernels of `dev` for key codec `key` and value codec `value` (kvq_codec_id), at
+/// most `threads` threads per threadgroup.
+inline auto metal_attention_kernels_of(metal_device& dev, int key, int value, std::uint32_t threads)
+    -> metal_attention_kernels {
+  metal_attention_kernels k;
+  k.partial = dev.pipeline(metal_kernel::attention_partial, key, value);
+  k.combine = dev.pipeline(metal_kernel::attention_combine, 0, 0);
+  NS::UInteger const w = std::max<NS::UInteger>(k.partial->threadExecutionWidth(), 1);
+  k.threads =
+      std::max<NS::UInteger>(w, std::min<NS::UInteger>(threads, k.partial->maxTotalThreadsPerThreadgroup()) / w * w);
+  std::size_t const limit = dev.library().device()->maxThreadgroupMemoryLength();
+  k.smem = limit - std::min<std::size_t>(limit, k.partial->staticThreadgroupMemoryLength());
+  return k;
+}
+
+/// The buffers the dispatches of one attention call use: the cache's layer or pool, the queries,
+/// the partial states, the sequences (null: each dispatch's own, as bytes), the page-table buffer
+/// (null: a flat cache), the custom mask rows (null: none), the output (null: no combine, the
+/// partial states stay) and the sinks (q_heads floats of host memory, or null).
+struct metal_attention_buffers {
+  MTL::Buffer* layer = nullptr;
+  MTL::Buffer* q = nullptr;
+  MTL::Buffer* part = nullptr;
+  MTL::Buffer* seqs = nullptr;
+  MTL::Buffer* pages = nullptr;
+  MTL::Buffer* mask = nullptr;
+  MTL::Buffer* out = nullptr;
+  float const* sinks = nullptr;
+};
+
+/// The buffers of an attention over `layer` (a cache's layer or pool) with the queries in `q`, the
+/// partial states in `part`, the output in `out` and the host `sinks`; no sequences, page tables
+/// or mask rows.
+inline auto metal_attention_io(MTL::Buffer* layer, MTL::Buffer* q, MTL::Buffer* part, MTL::Buffer* out,
+                               float const* sinks) -> metal_attention_buffers {
+  metal_attention_buffers io;
+  io.layer = layer;
+  io.q = q;
+  io.part = part;
+  io.out = out;
+  io.sinks = sinks;
+  return io;
+}
+
+/// One partial-attention dispatch (grid: plan.splits x kv_heads * plan.chunks x batch) and its
+/// combine: `batch` sequences of `rows` (query token, query head) rows each, their queries and
+/// outputs at byte offsets of the call's buffers, the mask rows at byte mask_offset.
+struct metal_attention_dispatch {
+  kvq_attention_args args{};
+  attention_plan plan;
+  kvq_attention_seq seq{};  ///< the sequence, unless the call's buffers hold them
+  std::size_t rows = 0;
+  std::size_t batch = 1;
+  std::size_t q_offset = 0;
+  std::size_t out_offset = 0;
+  std::size_t mask_offset = 0;
+};
+
+/// Encodes on `dev` each dispatch of `list` that attends anything (plan.splits > 0) over `io`,
+/// with its combine when io.out is set, and commits them if there were any.
+inline void metal_encode_attention(metal_device& dev, metal_attention_kernels const& k,
+                                   metal_attention_buffers const& io, int kv_heads, int q_heads, int head_dim,
+                                   std::span<metal_attention_dispatch const> list) {
+  MTL::ComputeCommandEncoder* enc = nullptr;
+  for (metal_attention_dispatch const& x : list) {
+    if (x.plan.splits == 0) continue;
+    std::size_t const parts = x.batch * static_cast<std::size_t>(x.plan.splits) * x.rows;
+    std::size_t const o_max = parts * static_cast<std::size_t>(head_dim) * 4;
+    std::size_t const o_sum = o_max + parts * 4;
+    if (enc == nullptr) enc = dev.encoder();
+    enc->setComputePipelineState(k.partial);
+    enc->setBytes(&x.args, sizeof x.args, 0);
+    if (io.seqs != nullptr) {
+      enc->setBuffer(io.seqs, 0, 1);
+    } else {
+      enc->setBytes(&x.seq, sizeof x.seq, 1);
+    }
+    enc->setBuffer(io.layer, 0, 2);
+    enc->setBuffer(io.q, x.q_offset, 3);
+    enc->setBuffer(io.part, 0, 4);
+    enc->setBuffer(io.part, o_max, 5);
+    enc->setBuffer(io.part, o_sum, 6);
+    if (io.pages != nullptr) {
+      enc->setBuffer(io.pages, 0, 7);
+    } else {
+      std::int32_t const no_pages = 0;  // a flat cache has no page table
+      enc->setBytes(&no_pages, sizeof no_pages, 7);
+    }
+    if (io.mask != nullptr) {
+      enc->setBuffer(io.mask, x.mask_offset, 8);
+    } else {
+      metal_bind_no_mask(enc);
+    }
+    enc->setThreadgroupMemoryLength(x.plan.smem_bytes, 0);
+    enc->dispatchThreadgroups(
+        MTL::Size(static_cast<NS::UInteger>(x.plan.splits), static_cast<NS::UInteger>(kv_heads * x.plan.chunks),
+                  static_cast<NS::UInteger>(x.batch)),
+        MTL::Size(k.threads, 1, 1));
+    if (io.out == nullptr) continue;
+    kvq_combine_args const cb{
+        static_cast<std::int32_t>(x.rows), head_dim, x.plan.splits, static_cast<std::int32_t>(x.batch),
+        io.sinks != nullptr ? q_heads : 0, 0};
+    enc->setBytes(&cb, sizeof cb, 0);
+    enc->setBuffer(io.part, 0, 1);
+    enc->setBuffer(io.part, o_max, 2);
+    enc->setBuffer(io.part, o_sum, 3);
+    enc->setBuffer(io.out, x.out_offset, 4);
+    metal_bind_sinks(dev, enc, io.sinks, q_heads, 5);
+    metal_device::dispatch(enc, k.combine,
+                           static_cast<std::int64_t>(x.batch * x.rows * static_cast<std::size_t>(head_dim)));
+  }
+  if (enc != nullptr) (void)dev.finish();
+}
+
 /// Reads `count` rows of head_dim elements T to host memory `out`, rows `stride` apart: `decode`
 /// encodes the core's read into a staging span (dense rows), then this waits for the GPU (through
 /// `core`, whose failure state a failed command buffer sets) and copies the rows out.
@@ -653,16 +784,10 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
     if (n_q == 0) return;
     detail::metal_pool pool;
     auto& dev = core_.device();
-    MTL::ComputePipelineState* ps =
-        dev.pipeline(detail::metal_kernel::attention_partial, core_.key_side().codec, core_.value_side().codec);
-    MTL::ComputePipelineState* combine = dev.pipeline(detail::metal_kernel::attention_combine, 0, 0);
-    NS::UInteger const w = std::max<NS::UInteger>(ps->threadExecutionWidth(), 1);
-    NS::UInteger const threads =
-        std::max<NS::UInteger>(w, std::min<NS::UInteger>(opt_.threads, ps->maxTotalThreadsPerThreadgroup()) / w * w);
-    std::size_t const limit = dev.library().device()->maxThreadgroupMemoryLength();
-    std::size_t const smem = limit - std::min<std::size_t>(limit, ps->staticThreadgroupMemoryLength());
+    detail::metal_attention_kernels const K =
+        detail::metal_attention_kernels_of(dev, core_.key_side().codec, core_.value_side().codec, opt_.threads);
     bool const q8 = opt.query == query_precision::q8_0;
-    auto const mdev = attention_device(d, smem, static_cast<std::uint32_t>(threads), 0);
+    auto const mdev = K.device(d, 0);
     auto const launches = detail::plan_query_launches(
         kopt, n_q, first, len, shape().kv_heads, d, [&](int tokens, std::int64_t span, detail::attention_plan& p) {
           return detail::plan_attention(d, shape().kv_heads, q_heads, 1, span, q8, mdev, p, tokens);
@@ -686,52 +811,25 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
     std::memset(ob->contents(), 0, total);  // the launches that attend nothing leave zeros
     ensure_scratch(std::max<std::size_t>(scratch_floats, 1) * 4);
     float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
-    MTL::ComputeCommandEncoder* enc = nullptr;
+    detail::vector<detail::metal_attention_dispatch> list;
     for (auto const& l : launches) {
       if (l.plan.splits == 0) continue;
-      std::size_t const i0 = static_cast<std::size_t>(l.first);
-      std::size_t const rows = static_cast<std::size_t>(l.tokens) * static_cast<std::size_t>(q_heads);
-      std::size_t const parts = static_cast<std::size_t>(l.plan.splits) * rows;
-      std::size_t const o_max = parts * static_cast<std::size_t>(d) * 4;
-      std::size_t const o_sum = o_max + parts * 4;
-      kvq_attention_args a =
-          detail::attention_arguments(core_.key_side(), core_.value_side(), d, shape().kv_heads, q_heads, l.plan, scale,
-                                      opt.softcap, q8, opt.probabilities == probability_precision::f16);
-      detail::set_query_tokens(a, static_cast<int>(l.tokens), kopt, kopt.mask_stride);
-      kvq_attention_seq seq =
-          detail::attention_sequence(core_.key_side(), core_.value_side(), core_.state(layer), l.begin, l.end);
-      seq.first_pos = static_cast<std::int32_t>(first + l.first);
-      if (enc == nullptr) enc = dev.encoder();
-      enc->setComputePipelineState(ps);
-      enc->setBytes(&a, sizeof a, 0);
-      enc->setBytes(&seq, sizeof seq, 1);
-      enc->setBuffer(core_.layer(layer), 0, 2);
-      enc->setBuffer(qb.get(), i0 * qd * 4, 3);
-      enc->setBuffer(scratch_.get(), 0, 4);
-      enc->setBuffer(scratch_.get(), o_max, 5);
-      enc->setBuffer(scratch_.get(), o_sum, 6);
-      std::int32_t const no_pages = 0;
-      enc->setBytes(&no_pages, sizeof no_pages, 7);
-      if (custom) {
-        enc->setBuffer(mb.get(), i0 * mask_row, 8);
-      } else {
-        detail::metal_bind_no_mask(enc);
-      }
-      enc->setThreadgroupMemoryLength(l.plan.smem_bytes, 0);
-      enc->dispatchThreadgroups(MTL::Size(static_cast<NS::UInteger>(l.plan.splits),
-                                          static_cast<NS::UInteger>(shape().kv_heads * l.plan.chunks), 1),
-                                MTL::Size(threads, 1, 1));
-      kvq_combine_args const cb{static_cast<std::int32_t>(rows),    d, l.plan.splits, 1,
-                                opt.sinks != nullptr ? q_heads : 0, 0};
-      enc->setBytes(&cb, sizeof cb, 0);
-      enc->setBuffer(scratch_.get(), 0, 1);
-      enc->setBuffer(scratch_.get(), o_max, 2);
-      enc->setBuffer(scratch_.get(), o_sum, 3);
-      enc->setBuffer(ob.get(), i0 * qd * 4, 4);
-      detail::metal_bind_sinks(dev, enc, opt.sinks, q_heads, 5);
-      detail::metal_device::dispatch(enc, combine, static_cast<std::int64_t>(rows * static_cast<std::size_t>(d)));
+      detail::metal_attention_dispatch x;
+      x.args = detail::attention_arguments(core_.key_side(), core_.value_side(), d, shape().kv_heads, q_heads, l.plan,
+                                           scale, opt.softcap, q8, opt.probabilities == probability_precision::f16);
+      detail::set_query_tokens(x.args, static_cast<int>(l.tokens), kopt, kopt.mask_stride);
+      x.plan = l.plan;
+      x.seq = detail::attention_sequence(core_.key_side(), core_.value_side(), core_.state(layer), l.begin, l.end);
+      x.seq.first_pos = static_cast<std::int32_t>(first + l.first);
+      x.rows = static_cast<std::size_t>(l.tokens) * static_cast<std::size_t>(q_heads);
+      x.q_offset = x.out_offset = static_cast<std::size_t>(l.first) * qd * 4;
+      x.mask_offset = static_cast<std::size_t>(l.first) * mask_row;
+      list.push_back(x);
     }
-    if (enc != nullptr) (void)dev.finish();
+    detail::metal_attention_buffers io =
+        detail::metal_attention_io(core_.layer(layer), qb.get(), scratch_.get(), ob.get(), opt.sinks);
+    io.mask = mb.get();
+    detail::metal_encode_attention(dev, K, io, shape().kv_heads, q_heads, d, list);
     wait();
     std::memcpy(out, ob->contents(), total);
   }
@@ -786,11 +884,6 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
                                                             detail::metal_device::max_capacity, "Metal cache");
     detail::metal_check_launch(*library, shape.head_dim, shape.kv_heads, opt.threads, "Metal cache");
     return opt;
-  }
-
-  static auto attention_device(int head_dim, std::size_t smem, std::uint32_t threads, std::int64_t split_tokens)
-      -> detail::attention_device {
-    return detail::metal_attention_device(head_dim, smem, threads, split_tokens);
   }
 
   /// A Metal tensor as the core's checks see it, after the Metal-only checks (element type,
@@ -858,22 +951,16 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
     int const d = shape().head_dim;
     float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
     auto& dev = core_.device();
-    MTL::ComputePipelineState* ps =
-        dev.pipeline(detail::metal_kernel::attention_partial, core_.key_side().codec, core_.value_side().codec);
-    MTL::ComputePipelineState* combine = dev.pipeline(detail::metal_kernel::attention_combine, 0, 0);
-    NS::UInteger const w = std::max<NS::UInteger>(ps->threadExecutionWidth(), 1);
-    NS::UInteger const threads =
-        std::max<NS::UInteger>(w, std::min<NS::UInteger>(opt_.threads, ps->maxTotalThreadsPerThreadgroup()) / w * w);
-    std::size_t const limit = dev.library().device()->maxThreadgroupMemoryLength();
-    std::size_t const smem = limit - std::min<std::size_t>(limit, ps->staticThreadgroupMemoryLength());
-    detail::attention_plan plan;
+    detail::metal_attention_kernels const K =
+        detail::metal_attention_kernels_of(dev, core_.key_side().codec, core_.value_side().codec, opt_.threads);
+    detail::metal_attention_dispatch x;
     detail::check<invalid_argument_error>(
         detail::plan_attention(d, shape().kv_heads, q_heads, 1, end - begin, opt.query == query_precision::q8_0,
-                               attention_device(d, smem, static_cast<std::uint32_t>(threads), split_tokens), plan),
+                               K.device(d, split_tokens), x.plan),
         [&] {
           return "attention: the threadgroup memory of this device is too small for head_dim " + std::to_string(d);
         });
-    if (plan.splits == 0) {  // nothing attended: the output is zeros (callers never ask for an empty partial)
+    if (x.plan.splits == 0) {  // nothing attended: the output is zeros (callers never ask for an empty partial)
       if (out == nullptr) return;
       auto* blit = dev.command_buffer()->blitCommandEncoder();
       blit->fillBuffer(
@@ -882,42 +969,19 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
       (void)dev.finish();
       return;
     }
-    std::size_t const splits = static_cast<std::size_t>(plan.splits);
+    std::size_t const splits = static_cast<std::size_t>(x.plan.splits);
     std::size_t const qd = static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(d);
     ensure_scratch((splits * qd + 2 * splits * static_cast<std::size_t>(q_heads)) * 4);
-    std::size_t const o_max = splits * qd * 4;
-    std::size_t const o_sum = o_max + splits * static_cast<std::size_t>(q_heads) * 4;
-    kvq_attention_args const a = detail::attention_arguments(
-        core_.key_side(), core_.value_side(), d, shape().kv_heads, q_heads, plan, scale, opt.softcap,
-        opt.query == query_precision::q8_0, opt.probabilities == probability_precision::f16);
-    kvq_attention_seq const seq =
-        detail::attention_sequence(core_.key_side(), core_.value_side(), core_.state(layer), begin, end);
-    auto* enc = dev.encoder();
-    enc->setComputePipelineState(ps);
-    enc->setBytes(&a, sizeof a, 0);
-    enc->setBytes(&seq, sizeof seq, 1);
-    enc->setBuffer(core_.layer(layer), 0, 2);
-    enc->setBuffer(q, q_off, 3);
-    enc->setBuffer(scratch_.get(), 0, 4);
-    enc->setBuffer(scratch_.get(), o_max, 5);
-    enc->setBuffer(scratch_.get(), o_sum, 6);
-    std::int32_t const no_pages = 0;  // a flat cache has no page table
-    enc->setBytes(&no_pages, sizeof no_pages, 7);
-    detail::metal_bind_no_mask(enc);
-    enc->setThreadgroupMemoryLength(plan.smem_bytes, 0);
-    enc->dispatchThreadgroups(MTL::Size(splits, static_cast<NS::UInteger>(shape().kv_heads * plan.chunks), 1),
-                              MTL::Size(threads, 1, 1));
-    if (out != nullptr) {
-      kvq_combine_args const cb{q_heads, d, plan.splits, 1, opt.sinks != nullptr ? q_heads : 0, 0};
-      enc->setBytes(&cb, sizeof cb, 0);
-      enc->setBuffer(scratch_.get(), 0, 1);
-      enc->setBuffer(scratch_.get(), o_max, 2);
-      enc->setBuffer(scratch_.get(), o_sum, 3);
-      enc->setBuffer(out, out_off, 4);
-      detail::metal_bind_sinks(dev, enc, opt.sinks, q_heads, 5);
-      detail::metal_device::dispatch(enc, combine, static_cast<std::int64_t>(qd));
-    }
-    (void)dev.finish();
+    x.args = detail::attention_arguments(core_.key_side(), core_.value_side(), d, shape().kv_heads, q_heads, x.plan,
+                                         scale, opt.softcap, opt.query == query_precision::q8_0,
+                                         opt.probabilities == probability_precision::f16);
+    x.seq = detail::attention_sequence(core_.key_side(), core_.value_side(), core_.state(layer), begin, end);
+    x.rows = static_cast<std::size_t>(q_heads);
+    x.q_offset = q_off;
+    x.out_offset = out_off;
+    detail::metal_attention_buffers const io =
+        detail::metal_attention_io(core_.layer(layer), q, scratch_.get(), out, opt.sinks);
+    detail::metal_encode_attention(dev, K, io, shape().kv_heads, q_heads, d, {&x, 1});
   }
 
   /// Makes scratch_ at least `bytes` long; a replaced buffer stays alive until the next wait.
@@ -1054,20 +1118,13 @@ class PagedKVCache<Choice, metal> : public cache_codecs<Choice> {
     auto& dev = core_.device();
     int const d = shape().head_dim;
     float const scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
-    MTL::ComputePipelineState* ps =
-        dev.pipeline(detail::metal_kernel::attention_partial, core_.key_side().codec, core_.value_side().codec);
-    MTL::ComputePipelineState* combine = dev.pipeline(detail::metal_kernel::attention_combine, 0, 0);
-    NS::UInteger const w = std::max<NS::UInteger>(ps->threadExecutionWidth(), 1);
-    NS::UInteger const threads =
-        std::max<NS::UInteger>(w, std::min<NS::UInteger>(opt_.threads, ps->maxTotalThreadsPerThreadgroup()) / w * w);
-    std::size_t const limit = dev.library().device()->maxThreadgroupMemoryLength();
-    std::size_t const smem = limit - std::min<std::size_t>(limit, ps->staticThreadgroupMemoryLength());
+    detail::metal_attention_kernels const K =
+        detail::metal_attention_kernels_of(dev, core_.key_side().codec, core_.value_side().codec, opt_.threads);
     detail::paged_attention_launch L;
     detail::check<invalid_argument_error>(
-        detail::plan_paged_attention(
-            core_, layer, seqs, q_heads, opt.window, scale, opt.softcap, opt.query == query_precision::q8_0,
-            opt.probabilities == probability_precision::f16,
-            detail::metal_attention_device(d, smem, static_cast<std::uint32_t>(threads), 0), L),
+        detail::plan_paged_attention(core_, layer, seqs, q_heads, opt.window, scale, opt.softcap,
+                                     opt.query == query_precision::q8_0,
+                                     opt.probabilities == probability_precision::f16, K.device(d, 0), L),
         [&] {
           return "attention: the threadgroup memory of this device is too small for head_dim " + std::to_string(d);
         });
@@ -1090,35 +1147,101 @@ class PagedKVCache<Choice, metal> : public cache_codecs<Choice> {
         mdev->newBuffer(std::max<std::size_t>(L.pages.size(), 1) * 4, MTL::ResourceStorageModeShared));
     detail::check<error>(qb && ob && part && sq && table, "attention: allocating staging buffers failed");
     if (!L.pages.empty()) std::memcpy(table->contents(), L.pages.data(), L.pages.size() * 4);
-    std::size_t const o_max = parts * qd * 4;
-    std::size_t const o_sum = o_max + parts * static_cast<std::size_t>(q_heads) * 4;
-    auto* enc = dev.encoder();
-    enc->setComputePipelineState(ps);
-    enc->setBytes(&L.args, sizeof L.args, 0);
-    enc->setBuffer(sq.get(), 0, 1);
-    enc->setBuffer(core_.pool(), 0, 2);
-    enc->setBuffer(qb.get(), 0, 3);
-    enc->setBuffer(part.get(), 0, 4);
-    enc->setBuffer(part.get(), o_max, 5);
-    enc->setBuffer(part.get(), o_sum, 6);
-    enc->setBuffer(table.get(), 0, 7);
-    detail::metal_bind_no_mask(enc);
-    enc->setThreadgroupMemoryLength(L.plan.smem_bytes, 0);
-    enc->dispatchThreadgroups(MTL::Size(splits, static_cast<NS::UInteger>(shape().kv_heads * L.plan.chunks),
-                                        static_cast<NS::UInteger>(batch)),
-                              MTL::Size(threads, 1, 1));
-    kvq_combine_args const cb{
-        q_heads, d, L.plan.splits, static_cast<std::int32_t>(batch), opt.sinks != nullptr ? q_heads : 0, 0};
-    enc->setBytes(&cb, sizeof cb, 0);
-    enc->setBuffer(part.get(), 0, 1);
-    enc->setBuffer(part.get(), o_max, 2);
-    enc->setBuffer(part.get(), o_sum, 3);
-    enc->setBuffer(ob.get(), 0, 4);
-    detail::metal_bind_sinks(dev, enc, opt.sinks, q_heads, 5);
-    detail::metal_device::dispatch(enc, combine, static_cast<std::int64_t>(batch * qd));
-    (void)dev.finish();
+    detail::metal_attention_dispatch x;
+    x.args = L.args;
+    x.plan = L.plan;
+    x.rows = static_cast<std::size_t>(q_heads);
+    x.batch = batch;
+    detail::metal_attention_buffers io =
+        detail::metal_attention_io(core_.pool(), qb.get(), part.get(), ob.get(), opt.sinks);
+    io.seqs = sq.get();
+    io.pages = table.get();
+    detail::metal_encode_attention(dev, K, io, shape().kv_heads, q_heads, d, {&x, 1});
     wait();
     std::memcpy(out, ob->contents(), batch * qd * 4);
+  }
+
+  /// Multi-token attention of a batch of query chunks (kvq::query_chunk: a prefill chunk, a draft,
+  /// a decode token, each over its own sequence) over `layer`: host q and out (Σ n_q, q_heads,
+  /// head_dim), each chunk's mask_data and opt.sinks in host memory; waits. Per chunk, the
+  /// dispatches of its launches (plan_query_launches) and their combines. Options, masks, errors
+  /// and results (to fp32 rounding) as the CPU kvq::paged_attention (opt.first_pos, mask_data and
+  /// mask_stride must stay unset).
+  void attention(int layer, std::span<query_chunk const> chunks, float const* q, int q_heads, float* out,
+                 attention_options const& opt = {}) {
+    core_.check_usable();
+    auto& dev = core_.device();
+    int const d = shape().head_dim;
+    detail::metal_attention_kernels const K =
+        detail::metal_attention_kernels_of(dev, core_.key_side().codec, core_.value_side().codec, opt_.threads);
+    detail::paged_query_plan const P =
+        detail::plan_paged_query_chunks(core_, layer, chunks, q, q_heads, out, opt, K.device(d, 0));
+    if (P.rows == 0) return;
+    detail::metal_pool pool;
+    std::size_t const qd = static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(d);
+    std::size_t const total = static_cast<std::size_t>(P.rows) * qd * 4;
+    bool const custom = opt.mask == mask_kind::additive || opt.mask == mask_kind::boolean;
+    std::size_t const elem = opt.mask == mask_kind::additive ? sizeof(float) : 1;
+    MTL::Device* mdev = dev.library().device();
+    detail::metal_ref<MTL::Buffer> qb(mdev->newBuffer(q, total, MTL::ResourceStorageModeShared));
+    detail::metal_ref<MTL::Buffer> ob(mdev->newBuffer(total, MTL::ResourceStorageModeShared));
+    detail::metal_ref<MTL::Buffer> part(
+        mdev->newBuffer(std::max<std::size_t>(P.scratch_floats, 1) * 4, MTL::ResourceStorageModeShared));
+    detail::metal_ref<MTL::Buffer> table(
+        mdev->newBuffer(std::max<std::size_t>(P.pages.size(), 1) * 4, MTL::ResourceStorageModeShared));
+    detail::check<error>(qb && ob && part && table, "attention: allocating staging buffers failed");
+    // The custom mask rows of every chunk, one after another: chunk c's rows from masks[c].
+    detail::vector<std::size_t> mask_at(chunks.size(), 0);
+    detail::metal_ref<MTL::Buffer> mb;
+    if (custom) {
+      std::size_t bytes = 0;
+      detail::vector<std::size_t> sizes(chunks.size(), 0);
+      for (std::size_t c = 0; c < chunks.size(); ++c) {
+        query_chunk const& ch = chunks[c];
+        if (ch.n_q == 0) continue;
+        std::int64_t const len = size(ch.seq, layer);
+        std::int64_t const stride = ch.mask_stride > 0 ? ch.mask_stride : len;
+        // the rows up to the last one's len tokens
+        sizes[c] =
+            (static_cast<std::size_t>(ch.n_q - 1) * static_cast<std::size_t>(stride) + static_cast<std::size_t>(len)) *
+            elem;
+        mask_at[c] = bytes;
+        bytes += (sizes[c] + 15) / 16 * 16;
+      }
+      mb.reset(mdev->newBuffer(std::max<std::size_t>(bytes, 16), MTL::ResourceStorageModeShared));
+      detail::check<error>(static_cast<bool>(mb), "attention: allocating staging buffers failed");
+      for (std::size_t c = 0; c < chunks.size(); ++c)
+        if (sizes[c] > 0)
+          std::memcpy(static_cast<unsigned char*>(mb->contents()) + mask_at[c], chunks[c].mask_data, sizes[c]);
+    }
+    if (!P.pages.empty()) std::memcpy(table->contents(), P.pages.data(), P.pages.size() * 4);
+    std::memset(ob->contents(), 0, total);  // the launches that attend nothing leave zeros
+    // The chunk of each launch, for its mask rows.
+    std::size_t chunk = 0;
+    std::int64_t chunk_end = chunks.empty() ? 0 : chunks[0].n_q;
+    detail::vector<detail::metal_attention_dispatch> list;
+    for (auto const& l : P.launches) {
+      while (l.row0 >= chunk_end) chunk_end += chunks[++chunk].n_q;
+      if (l.plan.splits == 0) continue;
+      detail::metal_attention_dispatch x;
+      x.args = l.args;
+      x.plan = l.plan;
+      x.seq = l.seq;
+      x.rows = static_cast<std::size_t>(l.tokens) * static_cast<std::size_t>(q_heads);
+      x.q_offset = x.out_offset = static_cast<std::size_t>(l.row0) * qd * 4;
+      if (custom)
+        x.mask_offset =
+            mask_at[chunk] + static_cast<std::size_t>(static_cast<unsigned char const*>(l.mask) -
+                                                      static_cast<unsigned char const*>(chunks[chunk].mask_data));
+      list.push_back(x);
+    }
+    detail::metal_attention_buffers io =
+        detail::metal_attention_io(core_.pool(), qb.get(), part.get(), ob.get(), opt.sinks);
+    io.pages = table.get();
+    io.mask = mb.get();
+    detail::metal_encode_attention(dev, K, io, shape().kv_heads, q_heads, d, list);
+    wait();
+    std::memcpy(out, ob->contents(), total);
   }
 
   /// Waits for all work of this cache; raises device_error if the GPU reported an error.
