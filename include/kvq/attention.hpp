@@ -570,8 +570,8 @@ inline auto query_token_range(attention_options const& opt, std::int64_t pos, st
 }
 
 /// Query tokens per block of a multi-token attention with `group` heads per kv head: a block's
-/// rows (tokens × heads) are attended together, each key and value tile decoded once for them.
-inline auto query_block_tokens(int group) -> std::int64_t { return std::max(1, 64 / group); }
+/// 128 rows (tokens × heads) are attended together, each key and value tile decoded once for them.
+inline auto query_block_tokens(int group) -> std::int64_t { return std::max(1, 128 / group); }
 
 /// The multi-token attention driver of the CPU caches (flat and paged). Cuts every chunk into
 /// blocks of query tokens, each (block, kv_head) into runs of `granularity`-aligned tokens when

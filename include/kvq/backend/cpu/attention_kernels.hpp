@@ -662,8 +662,10 @@ struct simd_attention {
         int const first = static_cast<int>(t % G);
         int const m = static_cast<int>(std::min<std::int64_t>({n - i, G - first, k.quantized - t}));
         std::uint8_t const* tp = k.units + static_cast<std::size_t>(tile) * k.unit_bytes;
-        if constexpr (G % W == 0) {
-          kivi_logits<KC>(tp, d, q, call.group, first, m, i, logits, s.scaled.data());
+        bool scaled_query = false;  // few rows: the query scaled into the codes; many: decoded once
+        if constexpr (G % W == 0) scaled_query = call.group < many_rows;
+        if (scaled_query) {
+          if constexpr (G % W == 0) kivi_logits<KC>(tp, d, q, call.group, first, m, i, logits, s.scaled.data());
         } else {
           simd_codecs<V>::template decode_tile_tokens<KC>(tp, d, first, m, s.keys.data(), d, kp);
           for (int r = 0; r < m; ++r)
