@@ -438,7 +438,7 @@ inline void finalize_head(float const* o, float m, float sum, float sink, int d,
     return;
   }
   float corr = 1.0f;
-  if (sink != -std::numeric_limits<float>::infinity()) {
+  if (f32_bits(sink) != 0xff800000u) {  // a sink (a bit test: immune to -fno-honor-infinities)
     float const mm = is_nan_f32(m) ? m : std::max(m, sink);
     corr = std::exp(m - mm);
     sum = madd_f32(sum, corr, std::exp(sink - mm));
@@ -457,7 +457,7 @@ inline void check_sinks(float const* sinks, int q_heads) {
   if (sinks == nullptr) return;
   for (int h = 0; h < q_heads; ++h) {
     float const x = sinks[h];
-    check<invalid_argument_error>(!is_nan_f32(x) && x != std::numeric_limits<float>::infinity(), [&] {
+    check<invalid_argument_error>(!is_nan_f32(x) && f32_bits(x) != 0x7f800000u, [&] {
       return "attention: the sink of query head " + std::to_string(h) + " is NaN or +Inf";
     });
   }

@@ -961,7 +961,7 @@ KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const fl
   }
   const i64 oi = (static_cast<i64>(b) * a.q_heads + h) * a.head_dim + c;
   const float sink = a.sinks > 0 ? sinks[h % a.sinks] : ninf;
-  if (l == 0.0f || sink == ninf) {
+  if (l == 0.0f || kd::f32_bits(sink) == 0xff800000u) {  // no sink: a bit test, immune to finite-math flags
     out[oi] = l == 0.0f ? 0.0f : o * (1.0f / l);
     return;
   }
