@@ -41,126 +41,24 @@
 
 #include <benchmark/benchmark.h>
 
+#include "attention_layers.hpp"
 #include "bench_common.hpp"
 #include "machine_peaks.hpp"
 
 namespace kvq_bench {
 namespace {
 
-/// A head layout of the benchmark.
-struct shape_spec {
-  char const* name;
-  int q_heads;
-  int kv_heads;
-};
-
 constexpr shape_spec shapes[] = {{"gqa", 32, 8}, {"mha", 32, 32}};
 constexpr int contexts[] = {512, 4096, 16384, 32768};
 constexpr int thread_counts[] = {1, 2};
-constexpr int kivi_residual = 128;
 
-/// Bytes the K and V of all layers must at least span (twice the last-level cache by default).
-std::size_t g_working_set = 0;
-
-/// Tokens in the pool of synthetic keys and values that layers are filled from.
-constexpr std::int64_t pool_tokens = 1024;
-
-/// Token-major (pool_tokens, kv_heads, head_dim) keys and values of one head count.
-struct kv_pool {
-  std::vector<float> keys, values;
-};
-
-auto pool_for(int kv_heads) -> kv_pool const& {
-  static std::map<int, kv_pool> pools;
-  auto& p = pools[kv_heads];
-  if (p.keys.empty()) {
-    std::size_t const n = static_cast<std::size_t>(pool_tokens) * static_cast<std::size_t>(kv_heads) * head_dim;
-    p.keys.resize(n);
-    p.values.resize(n);
-    fill_normal(p.keys.data(), n, 11 + static_cast<std::uint64_t>(kv_heads));
-    add_outlier_channels(p.keys.data(), n, 10.0f);
-    fill_normal(p.values.data(), n, 23 + static_cast<std::uint64_t>(kv_heads));
-  }
-  return p;
-}
-
-/// K and V bytes stored for the tokens layer `layer` attends: encoded units with their scales,
-/// plus KIVI's f16 residual rows.
-template <class Cache>
-auto attended_bytes(Cache const& cache, int layer) -> std::size_t {
-  std::size_t total = 0;
-  for (int h = 0; h < cache.shape().kv_heads; ++h) {
-    for (kvq::storage_view const& v : {cache.key_storage(layer, h), cache.value_storage(layer, h)}) {
-      total += static_cast<std::size_t>(v.quantized_tokens / v.tokens_per_unit) * v.unit_bytes;
-      total += static_cast<std::size_t>(v.residual_tokens) * head_dim * 2;
-    }
-  }
-  return total;
-}
-
-/// The layers of one (codec, shape, context), type-erased for the registry.
-struct layer_set_base {
-  virtual ~layer_set_base() = default;
-};
-
-template <class Choice>
-struct layer_set final : layer_set_base {
-  using cache_type = kvq::QuantizedKVCache<Choice>;
-  layer_set(kvq::cache_shape const& shape, typename cache_type::options const& opt) : cache(shape, opt) {}
-  cache_type cache;
-  std::size_t kv_bytes = 0;  // attended K and V bytes of one layer
-};
-
-/// Builds the layers of (Choice, shape, context): enough layers for the working set, each filled
-/// with `context` tokens from the pool (from a different offset per layer), appended in parallel.
-template <class Choice>
-auto build_layers(shape_spec const& s, int context) -> std::unique_ptr<layer_set<Choice>> {
-  // Quantized bytes of a full layer; the attended bytes are at least this (residual rows are f16).
-  auto const plan = kvq::plan_memory<Choice>({1, s.kv_heads, head_dim, context}, kivi_residual);
-  std::size_t const per_layer = std::max<std::size_t>(plan.key_bytes + plan.value_bytes, 1);
-  int const layers = static_cast<int>(std::max<std::size_t>(1, (g_working_set + per_layer - 1) / per_layer));
-  typename layer_set<Choice>::cache_type::options opt;
-  opt.residual = kivi_residual;
-  auto set = std::make_unique<layer_set<Choice>>(kvq::cache_shape{layers, s.kv_heads, head_dim, context}, opt);
-
-  auto const& pool = pool_for(s.kv_heads);
-  std::int64_t const stride = static_cast<std::int64_t>(s.kv_heads) * head_dim;
-  int const workers = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
-  run_threads(std::min(workers, layers), [&](int w) {
-    for (int l = w; l < layers; l += workers) {
-      std::int64_t offset = (static_cast<std::int64_t>(l) * 389) % pool_tokens, done = 0;
-      while (done < context) {
-        std::int64_t const n = std::min<std::int64_t>(context - done, pool_tokens - offset);
-        set->cache.append(l, kvq::token_major(pool.keys.data() + offset * stride, n, s.kv_heads, head_dim),
-                          kvq::token_major(pool.values.data() + offset * stride, n, s.kv_heads, head_dim));
-        done += n;
-        offset = 0;
-      }
-    }
-  });
-  set->kv_bytes = attended_bytes(set->cache, 0);
-  return set;
-}
-
-/// The one live layer set: runs of the same (codec, shape, context) share it; a new key frees the
-/// old set before building the next, so only one working set is in memory at a time.
-template <class Choice>
-auto acquire_layers(std::string const& key, shape_spec const& s, int context) -> layer_set<Choice>& {
-  static std::string live_key;
-  static std::unique_ptr<layer_set_base> live;
-  if (live_key != key) {
-    live.reset();
-    live_key.clear();
-    live = build_layers<Choice>(s, context);
-    live_key = key;
-  }
-  return static_cast<layer_set<Choice>&>(*live);
-}
+/// The data of this suite's layers (attention_layers.hpp).
+constexpr layer_data suite_data = {11, 23, 389};
 
 template <class Choice>
 void bm_attention(benchmark::State& state, std::string const& key, shape_spec s, int context, int threads,
                   kvq::query_precision precision, bool int8_keys) {
-  auto& set = acquire_layers<Choice>(key, s, context);
+  auto& set = acquire_layers<Choice>(key, s, context, suite_data);
   int const layers = set.cache.shape().layers;
   std::vector<float> q(static_cast<std::size_t>(s.q_heads) * head_dim);
   std::vector<float> out(q.size());

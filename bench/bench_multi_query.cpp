@@ -53,30 +53,20 @@
 
 #include <benchmark/benchmark.h>
 
+#include "attention_layers.hpp"
 #include "bench_common.hpp"
 #include "machine_peaks.hpp"
 
 namespace kvq_bench {
 namespace {
 
-/// A head layout of the benchmark.
-struct shape_spec {
-  char const* name;
-  int q_heads;
-  int kv_heads;
-};
-
 constexpr shape_spec shapes[] = {{"gqa", 32, 8}, {"mha", 32, 32}};
 constexpr int contexts[] = {4096, 16384};
 constexpr int query_counts[] = {1, 4, 8, 16, 512};
 constexpr int thread_counts[] = {1, 2};
-constexpr int kivi_residual = 128;
 
 /// FLOPs from which a cell runs a single call per repetition.
 constexpr double one_call_flops = 16e9;
-
-/// Bytes the K and V of all layers must at least span (twice the last-level cache by default).
-std::size_t g_working_set = 0;
 
 /// Whether --kvq_full asked for the whole grid.
 bool g_full = false;
@@ -94,106 +84,15 @@ auto causal_pairs(std::int64_t n_q, std::int64_t context) -> double {
   return static_cast<double>(n_q * context - n_q * (n_q - 1) / 2);
 }
 
-/// Tokens in the pool of synthetic keys and values that layers are filled from.
-constexpr std::int64_t pool_tokens = 1024;
-
-/// Token-major (pool_tokens, kv_heads, head_dim) keys and values of one head count.
-struct kv_pool {
-  std::vector<float> keys, values;
-};
-
-auto pool_for(int kv_heads) -> kv_pool const& {
-  static std::map<int, kv_pool> pools;
-  auto& p = pools[kv_heads];
-  if (p.keys.empty()) {
-    std::size_t const n = static_cast<std::size_t>(pool_tokens) * static_cast<std::size_t>(kv_heads) * head_dim;
-    p.keys.resize(n);
-    p.values.resize(n);
-    fill_normal(p.keys.data(), n, 31 + static_cast<std::uint64_t>(kv_heads));
-    add_outlier_channels(p.keys.data(), n, 10.0f);
-    fill_normal(p.values.data(), n, 47 + static_cast<std::uint64_t>(kv_heads));
-  }
-  return p;
-}
-
-/// K and V bytes stored for all tokens of `layer`: encoded units with their scales, plus KIVI's
-/// f16 residual rows.
-template <class Cache>
-auto layer_bytes(Cache const& cache, int layer) -> std::size_t {
-  std::size_t total = 0;
-  for (int h = 0; h < cache.shape().kv_heads; ++h) {
-    for (kvq::storage_view const& v : {cache.key_storage(layer, h), cache.value_storage(layer, h)}) {
-      total += static_cast<std::size_t>(v.quantized_tokens / v.tokens_per_unit) * v.unit_bytes;
-      total += static_cast<std::size_t>(v.residual_tokens) * head_dim * 2;
-    }
-  }
-  return total;
-}
-
-/// The layers of one (codec, shape, context), type-erased so that one slot can hold any codec.
-struct layer_set_base {
-  virtual ~layer_set_base() = default;
-};
-
-template <class Choice>
-struct layer_set final : layer_set_base {
-  using cache_type = kvq::QuantizedKVCache<Choice>;
-  layer_set(kvq::cache_shape const& shape, typename cache_type::options const& opt) : cache(shape, opt) {}
-  cache_type cache;
-  std::size_t kv_bytes = 0;  // K and V bytes of one full layer
-};
-
-/// Builds the layers of (Choice, shape, context): enough for the working set, each filled with
-/// `context` tokens of the pool from its own offset, the layers appended on up to 4 threads.
-template <class Choice>
-auto build_layers(shape_spec const& s, int context) -> std::unique_ptr<layer_set<Choice>> {
-  auto const plan = kvq::plan_memory<Choice>({1, s.kv_heads, head_dim, context}, kivi_residual);
-  std::size_t const per_layer = std::max<std::size_t>(plan.key_bytes + plan.value_bytes, 1);
-  int const layers = static_cast<int>(std::max<std::size_t>(1, (g_working_set + per_layer - 1) / per_layer));
-  typename layer_set<Choice>::cache_type::options opt;
-  opt.residual = kivi_residual;
-  auto set = std::make_unique<layer_set<Choice>>(kvq::cache_shape{layers, s.kv_heads, head_dim, context}, opt);
-
-  auto const& pool = pool_for(s.kv_heads);
-  std::int64_t const stride = static_cast<std::int64_t>(s.kv_heads) * head_dim;
-  int const workers = std::min(static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u)), layers);
-  run_threads(workers, [&](int w) {
-    for (int l = w; l < layers; l += workers) {
-      std::int64_t offset = (static_cast<std::int64_t>(l) * 433) % pool_tokens, done = 0;
-      while (done < context) {
-        std::int64_t const n = std::min<std::int64_t>(context - done, pool_tokens - offset);
-        set->cache.append(l, kvq::token_major(pool.keys.data() + offset * stride, n, s.kv_heads, head_dim),
-                          kvq::token_major(pool.values.data() + offset * stride, n, s.kv_heads, head_dim));
-        done += n;
-        offset = 0;
-      }
-    }
-  });
-  set->kv_bytes = layer_bytes(set->cache, 0);
-  return set;
-}
-
-/// The one live layer set: the runs of one (codec, shape, context) share it; another key frees it
-/// before the next is built, so only one working set is in memory at a time.
-template <class Choice>
-auto acquire_layers(std::string const& key, shape_spec const& s, int context) -> layer_set<Choice>& {
-  static std::string live_key;
-  static std::unique_ptr<layer_set_base> live;
-  if (live_key != key) {
-    live.reset();
-    live_key.clear();
-    live = build_layers<Choice>(s, context);
-    live_key = key;
-  }
-  return static_cast<layer_set<Choice>&>(*live);
-}
+/// The data of this suite's layers (attention_layers.hpp).
+constexpr layer_data suite_data = {31, 47, 433};
 
 /// One cell: kvq::attention of n_q query tokens, (n_q, q_heads, head_dim), over the last n_q
 /// tokens of layer i mod L.
 template <class Choice>
 void bm_multi_query(benchmark::State& state, std::string const& key, shape_spec s, int context, int n_q, int threads,
                     kvq::query_precision precision, bool int8_keys) {
-  auto& set = acquire_layers<Choice>(key, s, context);
+  auto& set = acquire_layers<Choice>(key, s, context, suite_data);
   int const layers = set.cache.shape().layers;
   std::vector<float> q(static_cast<std::size_t>(n_q) * static_cast<std::size_t>(s.q_heads) * head_dim);
   std::vector<float> out(q.size());

@@ -328,6 +328,14 @@ inline auto attention_call_of(int d, int group, attention_options const& opt) ->
   return call;
 }
 
+/// Raises shape_error unless q_heads is a positive multiple of kv_heads.
+inline void check_query_heads(int q_heads, int kv_heads) {
+  check<shape_error>(q_heads > 0 && q_heads % kv_heads == 0, [&] {
+    return "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
+           std::to_string(kv_heads) + " kv heads";
+  });
+}
+
 /// Raises invalid_argument_error unless the scale, softcap and window of `opt` are finite and
 /// non-negative.
 inline void check_attention_options(attention_options const& opt) {
@@ -348,10 +356,7 @@ auto attend_range_with(Cache const& cache, int layer, float const* q, int q_head
   std::int64_t const len = cache.size(layer);
   int const d = shape.head_dim;
   int const kv = shape.kv_heads;
-  check<shape_error>(q_heads > 0 && q_heads % kv == 0, [&] {
-    return "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
-           std::to_string(kv) + " kv heads";
-  });
+  check_query_heads(q_heads, kv);
   check<shape_error>(q != nullptr, [] { return std::string("attention: the query is null"); });
   check<index_error>(begin >= 0 && begin <= end && end <= len, [&] {
     return "attention: range [" + std::to_string(begin) + ", " + std::to_string(end) + ") is outside the " +
@@ -790,10 +795,7 @@ void attention_with(Cache const& cache, int layer, float const* q, std::int64_t 
   std::int64_t const len = cache.size(layer);
   int const d = shape.head_dim;
   int const kv = shape.kv_heads;
-  check<shape_error>(q_heads > 0 && q_heads % kv == 0, [&] {
-    return "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
-           std::to_string(kv) + " kv heads";
-  });
+  check_query_heads(q_heads, kv);
   check<shape_error>(n_q == 0 || (q != nullptr && out != nullptr),
                      [] { return std::string("attention: the query or the output is null"); });
   check<invalid_argument_error>(threads >= 1,

@@ -131,10 +131,7 @@ template <class Core, class Chunk>
 auto check_paged_chunks(Core const& core, int layer, std::span<Chunk const> chunks, void const* q, int q_heads,
                         void const* out, attention_options const& opt) -> detail::vector<checked_chunk> {
   int const kv = core.shape().kv_heads;
-  check<shape_error>(q_heads > 0 && q_heads % kv == 0, [&] {
-    return "attention: " + std::to_string(q_heads) + " query heads is not a positive multiple of " +
-           std::to_string(kv) + " kv heads";
-  });
+  check_query_heads(q_heads, kv);
   check_attention_options(opt);
   check_sinks(opt.sinks, q_heads);
   check<invalid_argument_error>(opt.first_pos == -1 && opt.mask_data == nullptr && opt.mask_stride == 0, [] {
