@@ -41,6 +41,7 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/detail/math_fp8.h
     include/kvq/detail/math_kivi.h
     include/kvq/detail/math_fp4.h
+    include/kvq/detail/rotation.h
     include/kvq/codec/codec.hpp
     include/kvq/codec/passthrough.hpp
     include/kvq/codec/q8_0.hpp
@@ -48,6 +49,7 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/codec/int8.hpp
     include/kvq/codec/fp8.hpp
     include/kvq/codec/fp4.hpp
+    include/kvq/codec/tq.hpp
     include/kvq/codec/kivi.hpp
     include/kvq/backend/metal/kernels_metal_src.hpp
     include/kvq/backend/metal/metal_cache.hpp

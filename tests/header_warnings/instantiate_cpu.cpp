@@ -5,7 +5,10 @@
 // Covered: QuantizedKVCache for every codec (through the any_cache facade's table and directly)
 // with append of f32/f16/bf16, reads, truncate/shift/reset, storage views and memory; decode
 // attention (the default kernel, the scalar reference and every SIMD kernel compiled in, for
-// every codec pair); the CPU codec kernels of every instruction set compiled in; simd_level.
+// every codec pair); the CPU codec kernels of every instruction set compiled in; simd_level; the
+// rotation and the tq codebook codecs of rotated rows.
+#include <kvq/codec/tq.hpp>
+#include <kvq/detail/rotation.h>
 #include <kvq/kvq.hpp>
 #include <kvq/persist.hpp>
 
@@ -157,6 +160,23 @@ void use_kernels(float const* x, f16 const* h, bf16 const* b, std::uint8_t* dst,
 #endif
 }
 
+/// The rotation (seeded and with precomputed sign words) and the tq codebook codecs of rotated rows.
+template <int B>
+void use_tq_codebook(float* x, std::uint8_t* dst, float* y) {
+  using codec_t = kvq::detail::tq_codebook<B>;
+  std::uint64_t words[2];
+  kvq::detail::rotation_sign_words(0x6B7671u, 80, words);
+  kvq::detail::rotate_forward(x, 80, 0x6B7671u);
+  kvq::detail::rotate_forward_signs(x, 80, words);
+  codec_t::encode_row(x, 80, dst, typename codec_t::params_type{});
+  codec_t::decode_row(dst, 80, y, typename codec_t::params_type{});
+  kvq::detail::rotate_inverse(y, 80, 0x6B7671u);
+  kvq::detail::rotate_inverse_signs(y, 80, words);
+  y[0] = codec_t::scale(dst, 1) + kvq::detail::tq_decode_element(B, dst, 80, 70) +
+         static_cast<float>(codec_t::code(dst, 80, 3) + kvq::detail::tq_code<B>(dst, 80, 4) +
+                            static_cast<int>(codec_t::geometry(80).bytes()) + static_cast<int>(codec_t::name.size()));
+}
+
 /// Every codec choice of the facade, plus choices with other group sizes.
 void use_all(float const* x, f16 const* h, bf16 const* b, float* out) {
   auto any = kvq::make_any_cache({2, 2, 64, 256}, "q8_0", "q4_0");
@@ -195,4 +215,7 @@ void kvq_header_warnings_cpu(float const* x, kvq::f16 const* h, kvq::bf16 const*
                              kvq::f16* h16, kvq::bf16* b16) {
   kvq_header_warnings::use_kernels(x, h, b, dst, y, h16, b16);
   kvq_header_warnings::use_all(x, h, b, y);
+  kvq_header_warnings::use_tq_codebook<2>(y, dst, y + 80);
+  kvq_header_warnings::use_tq_codebook<3>(y, dst, y + 80);
+  kvq_header_warnings::use_tq_codebook<4>(y, dst, y + 80);
 }
