@@ -14,6 +14,8 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -538,11 +540,15 @@ void require_error(F&& f, std::string const& needle) {
 using q8k_q4v = kvq::kv_codecs<kvq::q8_0, kvq::q4_0>;
 using int8k_kivi4v = kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>;
 
+using rot_q4_0 = kvq::rotated<kvq::q4_0>;
+using rot_q8k_fp8v = kvq::kv_codecs<kvq::rotated<kvq::q8_0>, kvq::rotated<kvq::fp8_e4m3, 12345>>;
+using tq4k_tq2v = kvq::kv_codecs<kvq::tq4, kvq::tq<2, 99>>;
 using all_choices = std::tuple<kvq::f32_codec, kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3,
-                               kvq::fp8_e5m2, q8k_q4v, int8k_kivi4v, kvq::kivi<2>, kvq::kivi<4>, kvq::kivi<8>>;
+                               kvq::fp8_e5m2, q8k_q4v, int8k_kivi4v, kvq::kivi<2>, kvq::kivi<4>, kvq::kivi<8>, rot_q4_0,
+                               rot_q8k_fp8v, kvq::tq3, tq4k_tq2v>;
 // Choices without KIVI keys (int8k_kivi4v: KIVI values, whose window shifts by any n).
-using row_choices =
-    std::tuple<kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, q8k_q4v, int8k_kivi4v>;
+using row_choices = std::tuple<kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, q8k_q4v,
+                               int8k_kivi4v, rot_q4_0, rot_q8k_fp8v, kvq::tq3>;
 using kivi_choices = std::tuple<kvq::kivi<2>, kvq::kivi<4>, kvq::kivi<8, 16>>;
 
 /// The residual lengths to try for a choice (R only matters with a KIVI part).
@@ -1080,8 +1086,9 @@ TEMPLATE_LIST_TEST_CASE("cache: reset empties every layer and appends work again
 // 6. Memory accounting
 
 /// Bytes of one encoded unit (row, or tile of G tokens for KIVI keys), from FORMATS.md / DESIGN §2.
-template <class C>
+template <class Codec>
 auto documented_unit_bytes(int d) -> std::size_t {
+  using C = kvq::stored_codec_t<Codec>;  // a rotated codec stores its inner codec's bytes
   auto const ud = sz(d);
   auto const blocks32 = (ud + 31) / 32;
   if constexpr (std::is_same_v<C, kvq::f32_codec>) {
@@ -1096,6 +1103,8 @@ auto documented_unit_bytes(int d) -> std::size_t {
     return 4 + ud;  // fp32 scale + head_dim int8
   } else if constexpr (std::is_same_v<C, kvq::fp8_e4m3> || std::is_same_v<C, kvq::fp8_e5m2>) {
     return ud;
+  } else if constexpr (requires { C::scale(nullptr, 0); }) {  // tq: f16 per rotation block (popcount d), codes
+    return 2 * sz(std::popcount(static_cast<unsigned>(d))) + (ud * sz(C::bits) + 7) / 8;
   } else if constexpr (is_kivi_value<C>::value) {
     std::size_t const gv = std::min<std::size_t>(sz(C::group), ud);
     return (ud + gv - 1) / gv * (4 + (gv * C::bits + 7) / 8);  // per group: fp16 scale, fp16 min, codes

@@ -22,6 +22,8 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 #include <kvq/paged_attention.hpp>
 #include <kvq/paged_cache.hpp>
 
@@ -237,10 +239,14 @@ void check_codec() {
 using q8k_q4v = kvq::kv_codecs<kvq::q8_0, kvq::q4_0>;
 using fp4_pair = kvq::kv_codecs<kvq::mxfp4, kvq::nvfp4>;
 using kivi8_g16 = kvq::kivi<8, 16>;
+using rot_q4_0 = kvq::rotated<kvq::q4_0>;
+using rot_q8k_q4v = kvq::kv_codecs<kvq::rotated<kvq::q8_0>, kvq::q4_0>;
+using rot_kivi4 = kvq::kv_codecs<kvq::rotated<kvq::kivi_key<4>>, kvq::rotated<kvq::kivi_value<4>>>;
+using tq4k_tq3v = kvq::kv_codecs<kvq::tq4, kvq::tq3>;
 
 #define KVQ_MQ_CHOICES                                                                                        \
   kvq::f32_codec, kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2, q8k_q4v, \
-      fp4_pair, kvq::kivi<2>, kvq::kivi<4>, kivi8_g16
+      fp4_pair, kvq::kivi<2>, kvq::kivi<4>, kivi8_g16, rot_q4_0, rot_q8k_q4v, rot_kivi4, kvq::tq2, tq4k_tq3v
 
 /// Bitwise equality of two float vectors (NaN payloads included).
 auto same_bits(std::vector<float> const& a, std::vector<float> const& b) -> bool {

@@ -24,6 +24,8 @@
 #include "codec/passthrough.hpp"
 #include "codec/q4_0.hpp"
 #include "codec/q8_0.hpp"
+#include "codec/rotated.hpp"
+#include "codec/tq.hpp"
 
 KVQ_NAMESPACE_BEGIN
 
@@ -196,7 +198,7 @@ auto make_model(cache_shape const& s, any_cache_options const& o, std::string_vi
 
 /// The explicit list of instantiations behind the facade.
 inline auto const& any_cache_table() {
-  static std::array<any_cache_entry, 24> const table = {
+  static std::array<any_cache_entry, 45> const table = {
       KVQ_ANY_CACHE_ENTRY("f32", "f32", f32_codec),
       KVQ_ANY_CACHE_ENTRY("f16", "f16", f16_codec),
       KVQ_ANY_CACHE_ENTRY("q4_0", "q4_0", q4_0),
@@ -221,6 +223,30 @@ inline auto const& any_cache_table() {
       KVQ_ANY_CACHE_ENTRY("kivi8", "kivi4", kv_codecs<::kvq::kivi_key<8>, ::kvq::kivi_value<4>>),
       KVQ_ANY_CACHE_ENTRY("kivi4", "kivi2", kv_codecs<::kvq::kivi_key<4>, ::kvq::kivi_value<2>>),
       KVQ_ANY_CACHE_ENTRY("kivi8", "kivi2", kv_codecs<::kvq::kivi_key<8>, ::kvq::kivi_value<2>>),
+      KVQ_ANY_CACHE_ENTRY("rot-f32", "rot-f32", rotated<f32_codec>),
+      KVQ_ANY_CACHE_ENTRY("rot-f16", "rot-f16", rotated<f16_codec>),
+      KVQ_ANY_CACHE_ENTRY("rot-q4_0", "rot-q4_0", rotated<q4_0>),
+      KVQ_ANY_CACHE_ENTRY("rot-q8_0", "rot-q8_0", rotated<q8_0>),
+      KVQ_ANY_CACHE_ENTRY("rot-int8", "rot-int8", rotated<int8_sym>),
+      KVQ_ANY_CACHE_ENTRY("rot-fp8_e4m3", "rot-fp8_e4m3", rotated<fp8_e4m3>),
+      KVQ_ANY_CACHE_ENTRY("rot-fp8_e5m2", "rot-fp8_e5m2", rotated<fp8_e5m2>),
+      KVQ_ANY_CACHE_ENTRY("rot-mxfp4", "rot-mxfp4", rotated<mxfp4>),
+      KVQ_ANY_CACHE_ENTRY("rot-nvfp4", "rot-nvfp4", rotated<nvfp4>),
+      KVQ_ANY_CACHE_ENTRY("rot-kivi2", "rot-kivi2",
+                          kv_codecs<rotated<::kvq::kivi_key<2>>, rotated<::kvq::kivi_value<2>>>),
+      KVQ_ANY_CACHE_ENTRY("rot-kivi4", "rot-kivi4",
+                          kv_codecs<rotated<::kvq::kivi_key<4>>, rotated<::kvq::kivi_value<4>>>),
+      KVQ_ANY_CACHE_ENTRY("rot-kivi8", "rot-kivi8",
+                          kv_codecs<rotated<::kvq::kivi_key<8>>, rotated<::kvq::kivi_value<8>>>),
+      KVQ_ANY_CACHE_ENTRY("rot-q4_0", "q4_0", kv_codecs<rotated<q4_0>, q4_0>),
+      KVQ_ANY_CACHE_ENTRY("rot-q8_0", "q4_0", kv_codecs<rotated<q8_0>, q4_0>),
+      KVQ_ANY_CACHE_ENTRY("rot-q8_0", "rot-q4_0", kv_codecs<rotated<q8_0>, rotated<q4_0>>),
+      KVQ_ANY_CACHE_ENTRY("rot-kivi4", "kivi4", kv_codecs<rotated<::kvq::kivi_key<4>>, ::kvq::kivi_value<4>>),
+      KVQ_ANY_CACHE_ENTRY("tq2", "tq2", tq2),
+      KVQ_ANY_CACHE_ENTRY("tq3", "tq3", tq3),
+      KVQ_ANY_CACHE_ENTRY("tq4", "tq4", tq4),
+      KVQ_ANY_CACHE_ENTRY("tq4", "tq3", kv_codecs<tq4, tq3>),
+      KVQ_ANY_CACHE_ENTRY("rot-q8_0", "tq4", kv_codecs<rotated<q8_0>, tq4>),
   };
   return table;
 }
@@ -258,7 +284,7 @@ class layered_any_cache final : public any_cache {
     check<invalid_argument_error>(n >= 0, "shift_left: n = " + std::to_string(n) + " is negative");
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       std::string_view const k = layers_[i]->key_codec_name(0);
-      if (k.starts_with("kivi"))
+      if (k.starts_with("kivi") || k.starts_with("rot-kivi"))
         check<unsupported_error>(n % 32 == 0, "shift_left: KIVI keys of layer " + std::to_string(i) +
                                                   " shift by multiples of G = 32, not " + std::to_string(n));
     }

@@ -296,7 +296,8 @@ struct prepared_query {
   }
 };
 
-/// Prepares the query (q_heads, d) for key codec KC under `opt`.
+/// Prepares the query (q_heads, d) for key codec KC under `opt`: rotated once per head for a
+/// rotated key codec (then rounded to q8_0 on request).
 template <class KC>
 auto prepare_query(float const* q, int q_heads, int d, attention_options const& opt) -> prepared_query {
   prepared_query pq;
@@ -304,15 +305,16 @@ auto prepare_query(float const* q, int q_heads, int d, attention_options const& 
   pq.nblocks = q8_0::geometry(d).blocks;
   std::size_t const hd = static_cast<std::size_t>(d);
   pq.f.assign(q, q + static_cast<std::size_t>(q_heads) * hd);
+  if constexpr (rotated_codec<KC>) side_rotation<KC>(d).forward_rows(pq.f.data(), q_heads, d);
   if (opt.query == query_precision::q8_0) {
     detail::vector<block_q8_0> qb(static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(pq.nblocks));
     for (int h = 0; h < q_heads; ++h) {
       auto* blocks = reinterpret_cast<std::uint8_t*>(qb.data() + static_cast<std::size_t>(h) *
                                                                      static_cast<std::size_t>(pq.nblocks));
-      q8_0::encode_row(q + static_cast<std::size_t>(h) * hd, d, blocks);
+      q8_0::encode_row(pq.f.data() + static_cast<std::size_t>(h) * hd, d, blocks);
       q8_0::decode_row(blocks, d, pq.f.data() + static_cast<std::size_t>(h) * hd);
     }
-    if (integer_key_dot<KC>) pq.b = std::move(qb);
+    if (integer_key_dot<stored_codec_t<KC>>) pq.b = std::move(qb);
   }
   return pq;
 }
@@ -376,11 +378,12 @@ auto attend_range_with(Cache const& cache, int layer, float const* q, int q_head
   for (int kh = 0; kh < kv; ++kh) {
     std::size_t const h0 = static_cast<std::size_t>(kh) * static_cast<std::size_t>(group);
     cpu_kernels::attention_state state{part.out.data() + h0 * hd, part.max.data() + h0, part.sum.data() + h0};
-    Kernel::template attend<key_codec, value_codec>(
+    Kernel::template attend<stored_codec_t<key_codec>, stored_codec_t<value_codec>>(
         token_source_of(cache.key_storage(layer, kh)), cache.get_options().key,
         token_source_of(cache.value_storage(layer, kh)), cache.get_options().value, call, pq.query(h0), pq.blocks(h0),
         begin, end, state, scratch);
   }
+  side_rotation<value_codec>(d).inverse_rows(part.out.data(), q_heads, d);  // once per head (linear)
   return part;
 }
 
@@ -584,7 +587,7 @@ inline auto query_block_tokens(int group) -> std::int64_t { return std::max(1, 1
 /// item, `attend(entry, kv_head, call, q, qb, begin, end, state, scratch)` must attend the rows
 /// of `call` to tokens [begin, end) of the entry's kv_head with the kernel (setting
 /// call.token_offset for sources that start past token 0).
-template <class KeyCodec, class Attend>
+template <class KeyCodec, class ValueCodec, class Attend>
 void run_query_chunks(std::span<query_chunk_plan const> chunks, float const* q, int q_heads, int kv_heads, int d,
                       float* out, attention_options const& opt, int threads, std::int64_t granularity,
                       Attend&& attend) {
@@ -736,7 +739,9 @@ void run_query_chunks(std::span<query_chunk_plan const> chunks, float const* q, 
       if (e) std::rethrow_exception(e);
   }
 
-  // Merge the runs of every block in token order (as combine), then normalise its rows.
+  // Merge the runs of every block in token order (as combine), un-rotate the rows' values (a
+  // rotated value codec) and normalise them.
+  side_rotation<ValueCodec> const value_rotation(d);
   for (std::size_t k = 0; k < blocks.size(); ++k) {
     block const& bl = blocks[k];
     query_chunk_plan const& ch = chunks[bl.chunk];
@@ -754,6 +759,7 @@ void run_query_chunks(std::span<query_chunk_plan const> chunks, float const* q, 
       std::copy(l, l + nr, into.sum.begin());
       if (i != first_item[k]) combine(acc, part);
     }
+    value_rotation.inverse_rows(acc.out.data(), rows, d);
     for (int r = 0; r < rows; ++r) {
       std::int64_t const i = bl.i0 + r / group;
       std::size_t const h =
@@ -807,16 +813,16 @@ void attention_with(Cache const& cache, int layer, float const* q, std::int64_t 
   check_query_chunk(opt, n_q, first, len, opt.mask_data, stride);
   if (n_q == 0) return;
   query_chunk_plan const chunk{0, len, first, n_q, 0, opt.mask_data, stride};
-  run_query_chunks<key_codec>(std::span<query_chunk_plan const>(&chunk, 1), q, q_heads, kv, d, out, opt, threads,
-                              attention_tile,
-                              [&](int, int head, cpu_kernels::attention_call const& call, float const* qr,
-                                  block_q8_0 const* qb, std::int64_t begin, std::int64_t end,
-                                  cpu_kernels::attention_state const& state, cpu_kernels::attention_scratch& scratch) {
-                                Kernel::template attend<key_codec, value_codec>(
-                                    token_source_of(cache.key_storage(layer, head)), cache.get_options().key,
-                                    token_source_of(cache.value_storage(layer, head)), cache.get_options().value, call,
-                                    qr, qb, begin, end, state, scratch);
-                              });
+  run_query_chunks<key_codec, value_codec>(
+      std::span<query_chunk_plan const>(&chunk, 1), q, q_heads, kv, d, out, opt, threads, attention_tile,
+      [&](int, int head, cpu_kernels::attention_call const& call, float const* qr, block_q8_0 const* qb,
+          std::int64_t begin, std::int64_t end, cpu_kernels::attention_state const& state,
+          cpu_kernels::attention_scratch& scratch) {
+        Kernel::template attend<stored_codec_t<key_codec>, stored_codec_t<value_codec>>(
+            token_source_of(cache.key_storage(layer, head)), cache.get_options().key,
+            token_source_of(cache.value_storage(layer, head)), cache.get_options().value, call, qr, qb, begin, end,
+            state, scratch);
+      });
 }
 
 }  // namespace detail

@@ -49,6 +49,7 @@
 #include "backend/cpu/kernels.hpp"
 #include "codec/codec.hpp"
 #include "codec/fp4.hpp"
+#include "codec/tq.hpp"
 #include "core/cache_core.hpp"
 #include "core/cache_types.hpp"
 #include "detail/host_vector.hpp"
@@ -59,11 +60,12 @@ KVQ_NAMESPACE_BEGIN
 namespace detail {
 
 /// Stored scales of one encoded unit (row or tile) of codec C that are NaN or ±Inf: q8_0 / q4_0
-/// blocks, the int8 row scale, KIVI groups (value blocks, key channels), mxfp4 blocks and nvfp4
-/// sub-blocks (their NaN scale bytes). A unit decodes to NaN or
+/// blocks, the int8 row scale, KIVI groups (value blocks, key channels), mxfp4 blocks, nvfp4
+/// sub-blocks (their NaN scale bytes) and tq rotation blocks. A unit decodes to NaN or
 /// ±Inf exactly where its scale is not finite. Codecs without scales (f32, f16, fp8) have none.
-template <class C>
+template <class Codec>
 inline auto nonfinite_scales(std::uint8_t const* unit, int head_dim) -> std::int64_t {
+  using C = stored_codec_t<Codec>;  // a rotated codec's scales are its stored codec's
   std::int64_t n = 0;
   if constexpr (std::is_same_v<C, q8_0> || std::is_same_v<C, q4_0> || has_value_window<C>::value) {
     auto const g = C::geometry(head_dim);
@@ -83,6 +85,8 @@ inline auto nonfinite_scales(std::uint8_t const* unit, int head_dim) -> std::int
         n += unit[static_cast<std::size_t>(b) * g.block_bytes + static_cast<std::size_t>(s)] == nvfp4_poisoned_scale
                  ? 1
                  : 0;
+  } else if constexpr (requires { C::scale(unit, 0); }) {  // tq codebooks: one f16 scale per rotation block
+    for (int b = 0; b < rotation_block_count(head_dim); ++b) n += is_finite_f32(C::scale(unit, b)) ? 0 : 1;
   } else if constexpr (std::is_same_v<C, int8_sym>) {
     float scale;
     std::memcpy(&scale, unit, sizeof scale);

@@ -13,6 +13,8 @@
 #include "codec/passthrough.hpp"
 #include "codec/q4_0.hpp"
 #include "codec/q8_0.hpp"
+#include "codec/rotated.hpp"
+#include "codec/tq.hpp"
 #include "error.hpp"
 #include "paged_attention.hpp"
 #include "paged_cache.hpp"

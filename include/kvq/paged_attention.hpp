@@ -92,8 +92,8 @@ void attend_pages(Cache const& cache, int layer, sequence_id seq, int head, cpu_
       prefetch_page(nvs, 1, ahead);
     }
     call.token_offset = p * pt;
-    Kernel::template attend<key_codec, value_codec>(ks, core.key_options(), vs, core.value_options(), call, q, qb, lb,
-                                                    le, state, scratch);
+    Kernel::template attend<stored_codec_t<key_codec>, stored_codec_t<value_codec>>(
+        ks, core.key_options(), vs, core.value_options(), call, q, qb, lb, le, state, scratch);
     if (more) {
       ks = nks;
       vs = nvs;
@@ -161,6 +161,7 @@ template <class Kernel, class Cache>
 void paged_chunks_with(Cache const& cache, int layer, std::span<query_chunk const> chunks, float const* q, int q_heads,
                        float* out, attention_options const& opt, int threads) {
   using key_codec = typename Cache::key_codec;
+  using value_codec = typename Cache::value_codec;
   auto const& shape = cache.shape();
   check<invalid_argument_error>(threads >= 1,
                                 [&] { return "attention: threads = " + std::to_string(threads) + " must be >= 1"; });
@@ -174,14 +175,15 @@ void paged_chunks_with(Cache const& cache, int layer, std::span<query_chunk cons
         {static_cast<int>(c), checked[c].len, checked[c].first, ch.n_q, rows, ch.mask_data, checked[c].stride});
     rows += ch.n_q;
   }
-  run_query_chunks<key_codec>(std::span<query_chunk_plan const>(plans), q, q_heads, shape.kv_heads, shape.head_dim, out,
-                              opt, threads, shape.page_tokens,
-                              [&](int entry, int head, cpu_kernels::attention_call const& call, float const* qr,
-                                  block_q8_0 const* qb, std::int64_t begin, std::int64_t end,
-                                  cpu_kernels::attention_state const& state, cpu_kernels::attention_scratch& scratch) {
-                                attend_pages<Kernel>(cache, layer, chunks[static_cast<std::size_t>(entry)].seq, head,
-                                                     call, qr, qb, begin, end, state, scratch);
-                              });
+  run_query_chunks<key_codec, value_codec>(
+      std::span<query_chunk_plan const>(plans), q, q_heads, shape.kv_heads, shape.head_dim, out, opt, threads,
+      shape.page_tokens,
+      [&](int entry, int head, cpu_kernels::attention_call const& call, float const* qr, block_q8_0 const* qb,
+          std::int64_t begin, std::int64_t end, cpu_kernels::attention_state const& state,
+          cpu_kernels::attention_scratch& scratch) {
+        attend_pages<Kernel>(cache, layer, chunks[static_cast<std::size_t>(entry)].seq, head, call, qr, qb, begin, end,
+                             state, scratch);
+      });
 }
 
 /// Batched paged decode attention with the kernel `Kernel` (reference_attention or an ISA's

@@ -204,6 +204,10 @@ void use_all(float const* x, f16 const* h, bf16 const* b, float* out) {
   use_cache<kvq::kv_codecs<kvq::q8_0, kvq::q4_0>>(x, h, b, out);
   use_cache<kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>>(x, h, b, out);
   use_cache<kvq::kv_codecs<kvq::kivi_key<8>, kvq::fp8_e5m2>>(x, h, b, out);
+  use_cache<kvq::rotated<kvq::q4_0>>(x, h, b, out);
+  use_cache<kvq::kv_codecs<kvq::rotated<kvq::kivi_key<4>>, kvq::rotated<kvq::kivi_value<2>, 9>>>(x, h, b, out);
+  use_cache<kvq::tq2>(x, h, b, out);
+  use_cache<kvq::kv_codecs<kvq::tq4, kvq::tq3>>(x, h, b, out);
 }
 
 }  // namespace kvq_header_warnings

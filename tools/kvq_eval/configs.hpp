@@ -18,15 +18,20 @@ struct config {
   std::optional<int> residual;
 };
 
-/// Every codec for K and V alike (KIVI with R = 0, 32, 128), mixed pairs, and the baselines.
+/// Every codec for K and V alike (KIVI with R = 0, 32, 128), rotated and codebook codecs, mixed
+/// pairs, and the baselines.
 inline auto default_configs() -> std::vector<config> {
   std::vector<config> c;
   for (char const* name : {"f32", "f16", "q8_0", "int8", "fp8_e4m3", "fp8_e5m2", "q4_0", "nvfp4", "mxfp4"})
     c.push_back({name, name, name, std::nullopt, std::nullopt});
   for (char const* name : {"kivi8", "kivi4", "kivi2"})
     for (int r : {0, 32, 128}) c.push_back({std::string(name) + "/R" + std::to_string(r), name, name, 32, r});
+  // Rotated forms (FORMATS.md §6.1) beside their plain forms, and the codebook codecs (§6.2).
+  for (char const* name : {"rot-q8_0", "rot-q4_0", "tq4", "tq3", "tq2"})
+    c.push_back({name, name, name, std::nullopt, std::nullopt});
+  c.push_back({"rot-kivi4/R128", "rot-kivi4", "rot-kivi4", 32, 128});
   auto mixed = [&](std::string const& k, std::string const& v) {
-    bool const kivi = k.starts_with("kivi") || v.starts_with("kivi");
+    bool const kivi = k.find("kivi") != std::string::npos || v.find("kivi") != std::string::npos;
     c.push_back({k + "-K/" + v + "-V", k, v, kivi ? std::optional<int>(32) : std::nullopt,
                  kivi ? std::optional<int>(128) : std::nullopt});
   };
@@ -36,6 +41,9 @@ inline auto default_configs() -> std::vector<config> {
   mixed("q8_0", "kivi4");
   mixed("kivi8", "kivi4");
   mixed("kivi4", "kivi2");
+  mixed("rot-q4_0", "q4_0");
+  mixed("rot-q8_0", "rot-q4_0");
+  mixed("rot-kivi4", "kivi4");
   return c;
 }
 

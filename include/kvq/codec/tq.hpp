@@ -1,7 +1,7 @@
 // kvq: the codebook codecs of tq2, tq3 and tq4 in the rotated space (FORMATS.md §6.2 steps 2-8).
 //
 // The input of tq_codebook<B> is a row that is already rotated (y = R x, detail/rotation.h); the
-// public tq codecs wrap it with the rotation. Per rotation block of size n: the norm
+// public codecs tq2 / tq3 / tq4 (end of file) wrap it with the rotation. Per rotation block of size n: the norm
 // nu = sqrtf(sum of y_i^2) (32 partial sums, reduced in a fixed tree), z_i = y_i * (sqrtf(n) / nu),
 // code_i = the number of boundaries t_j < z_i between the Lloyd-Max centroids of a unit Gaussian
 // (a value on a boundary takes the lower code), and the f16 scale g = nu / rho with rho the norm of
@@ -24,6 +24,7 @@
 #include "../detail/numeric.h"
 #include "../detail/rotation.h"
 #include "codec.hpp"
+#include "rotated.hpp"
 
 KVQ_NAMESPACE_BEGIN
 namespace detail {
@@ -250,6 +251,20 @@ struct tq_codebook {
 
 }  // namespace detail
 
-// Public tq codecs: below.
+/// tq<B> (B = 2, 3, 4): FORMATS.md §6.2 whole, the codebook codec of R x with rotation seed `Seed`
+/// (below 2^32). Row bytes 2 · (rotation blocks) + ⌈B · head_dim / 8⌉: 34 / 50 / 66 at head_dim 128
+/// for tq2 / tq3 / tq4 (2.125 / 3.125 / 4.125 bits per element). A rotated codec: the caches store
+/// tq_codebook<B>(R x), attention works on it in the rotated space, reads return Rᵀ ŷ.
+template <int B, std::uint64_t Seed = default_rotation_seed>
+struct tq : rotated<detail::tq_codebook<B>, Seed> {
+  static constexpr std::string_view name = B == 2 ? "tq2" : B == 3 ? "tq3" : "tq4";
+};
+
+/// 2-bit codebook codec (2.125 bits per element at head_dim 128).
+using tq2 = tq<2>;
+/// 3-bit codebook codec (3.125 bits per element at head_dim 128).
+using tq3 = tq<3>;
+/// 4-bit codebook codec (4.125 bits per element at head_dim 128).
+using tq4 = tq<4>;
 
 KVQ_NAMESPACE_END

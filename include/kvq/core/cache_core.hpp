@@ -294,9 +294,10 @@ class cache_core : public core_base<Choice, Device> {
                     int out_type, std::int64_t stride, stream_type stream) {
     if (count == 0) return;
     auto const& st = state_[static_cast<std::size_t>(layer)];
-    kvq_decode_args const a =
+    kvq_decode_args a =
         decode_arguments(keys ? detail::key_region(key_side_, st) : detail::value_region(value_side_, st), head, first,
                          count, out_type, stride);
+    a.unrotate = keys ? rotated_codec<key_codec> : rotated_codec<value_codec>;  // reads return Rᵀ decode
     layer_type const l = layers_[static_cast<std::size_t>(layer)];
     if (keys) {
       succeed(dev_.template decode<key_codec>(a, l, out, stream));

@@ -58,8 +58,8 @@ struct memory_report {
 
 /// Stored blocks whose scale is NaN or ±Inf, so that they decode to NaN or ±Inf (see
 /// `QuantizedKVCache::nonfinite_blocks`): a block is a q8_0 / q4_0 / mxfp4 block of 32 channels,
-/// an nvfp4 sub-block of 16, an int8 row, a KIVI value group, or a KIVI key channel of one tile
-/// (G tokens).
+/// an nvfp4 sub-block of 16, an int8 row, a KIVI value group, a KIVI key channel of one tile
+/// (G tokens), or a tq rotation block.
 struct nonfinite_report {
   std::int64_t key_blocks = 0;    ///< poisoned key blocks
   std::int64_t value_blocks = 0;  ///< poisoned value blocks

@@ -426,7 +426,8 @@ class paged_core : public core_base<Choice, Device> {
       std::int64_t const p = t / pt;
       std::int64_t const e = std::min(first + count, (p + 1) * pt);
       kvq_region const r = page_region(keys, st, layer, static_cast<int>(s), x.pages[static_cast<std::size_t>(p)], p);
-      kvq_decode_args const a = decode_arguments(r, head, t - p * pt, e - t, out_type, stride);
+      kvq_decode_args a = decode_arguments(r, head, t - p * pt, e - t, out_type, stride);
+      a.unrotate = keys ? rotated_codec<key_codec> : rotated_codec<value_codec>;  // reads return Rᵀ decode
       output_type const o =
           dev_.offset_output(out, static_cast<std::size_t>(t - first) * static_cast<std::size_t>(stride) * elem);
       if (keys) {

@@ -78,7 +78,7 @@ struct saved_codec {
   std::uint32_t residual_rows = 0;  ///< f16 rows of the KIVI key residual (F) or value window (R)
   float scale = 1.0f;               ///< fp8 / fp4 scale, else 1
   std::uint32_t overflow = 0;       ///< fp8 overflow mode (0 saturate, 1 no_saturate), else 0
-  std::uint32_t reserved = 0;       ///< zero (a rotation seed's place)
+  std::uint32_t reserved = 0;       ///< rotation seed of a rotated codec, else 0
   friend auto operator==(saved_codec const& a, saved_codec const& b) noexcept -> bool {
     return std::memcmp(a.name, b.name, sizeof a.name) == 0 && a.bits == b.bits && a.group == b.group &&
            a.unit_bytes == b.unit_bytes && a.unit_tokens == b.unit_tokens && a.residual_rows == b.residual_rows &&
@@ -98,6 +98,7 @@ auto make_saved_codec(cache_side const& side, typename C::params_type const& p) 
   c.unit_bytes = side.region.unit_bytes;
   c.unit_tokens = side.tiles ? static_cast<std::uint32_t>(side.region.group) : 1u;
   c.residual_rows = side.tiles || side.window ? static_cast<std::uint32_t>(side.residual) : 0u;
+  if constexpr (rotated_codec<C>) c.reserved = static_cast<std::uint32_t>(C::rotation_seed);
   if constexpr (std::is_same_v<typename C::params_type, fp8_params>) {
     c.scale = p.scale;
     c.overflow = p.overflow == fp8_overflow::saturate ? 0u : 1u;

@@ -19,6 +19,7 @@
 #include "../codec/fp4.hpp"
 #include "../codec/fp8.hpp"
 #include "../codec/kivi.hpp"
+#include "../codec/rotated.hpp"
 #include "checks.hpp"
 
 KVQ_NAMESPACE_BEGIN
@@ -29,6 +30,8 @@ template <class C>
 struct has_value_window : std::false_type {};
 template <int B, int G>
 struct has_value_window<::kvq::kivi_value<B, G>> : std::true_type {};
+template <rotated_codec C>
+struct has_value_window<C> : has_value_window<typename C::stored_codec> {};
 
 /// Byte sizes of the regions of one (layer, kv_head) for a codec used as keys or values.
 template <codec C, bool IsValue>

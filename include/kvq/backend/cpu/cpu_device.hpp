@@ -14,6 +14,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../../codec/rotated.hpp"
 #include "../../core/cache_core.hpp"
 #include "../../memory_resource.hpp"
 #include "kernels.hpp"
@@ -90,11 +91,14 @@ class cpu_device {
   }
 
   /// Runs one write step of an append plan with the kernels of codec C.
-  template <codec C>
+  template <codec Codec>
   auto write(write_step const& s, std::byte* layer, void const* input, no_stream) const -> device_status {
+    using C = stored_codec_t<Codec>;  // the kernels of the stored bytes; input rows are rotated first
     kvq_write_args const& a = s.args;
     int const d = a.head_dim;
     auto const params = params_of<C>(a.dst);
+    side_rotation<Codec> const rotation(d);
+    row_rotation const* rot = rotation.get();
     if (s.kernel == write_kernel::encode_key_tiles) {
       if constexpr (C::layout == codec_layout::token_group) {
         int const g = a.dst.group;
@@ -102,7 +106,7 @@ class cpu_device {
         detail::vector<f16> half(static_cast<std::size_t>(d));
         for (int h = 0; h < a.kv_heads; ++h) {
           for (int j = 0; j < a.count / g; ++j) {
-            gather(a, layer, input, h, j * g, g, tile.data(), half.data());
+            gather(a, layer, input, h, j * g, g, tile.data(), half.data(), rot);
             encode_tile<C>(tile.data(), d, d, unit(layer, a, h, a.first + j), params);
           }
         }
@@ -116,7 +120,7 @@ class cpu_device {
     for (int h = 0; h < a.kv_heads; ++h) {
       for (int i0 = 0; i0 < a.count; i0 += static_cast<int>(chunk)) {
         int const n = static_cast<int>(std::min<std::int64_t>(chunk, a.count - i0));
-        gather(a, layer, input, h, i0, n, rows.data(), half.data());
+        gather(a, layer, input, h, i0, n, rows.data(), half.data(), rot);
         if (s.kernel == write_kernel::encode_rows) {
           if constexpr (C::layout == codec_layout::row)
             cpu_kernels::encode_rows<C>(rows.data(), d, n, d, unit(layer, a, h, a.first + i0), a.dst.unit_bytes,
@@ -133,14 +137,18 @@ class cpu_device {
     return {};
   }
 
-  /// Decodes the tokens of a decode argument with the kernels of codec C, into `out`.
-  template <codec C>
+  /// Decodes the tokens of a decode argument with the kernels of codec C, into `out` (un-rotated
+  /// when C is rotated and the argument asks for it).
+  template <codec Codec>
   auto decode(kvq_decode_args const& a, std::byte* layer, void* out, no_stream) const -> device_status {
+    using C = stored_codec_t<Codec>;
     int const d = a.head_dim;
     auto const params = params_of<C>(a.src);
     detail::vector<float> row(static_cast<std::size_t>(d));
+    side_rotation<Codec> const rotation(d);
     for (int i = 0; i < a.count; ++i) {
       decode_token<C>(a.src, layer, a.head, a.first + i, d, row.data(), params);
+      if (a.unrotate != 0) rotation.inverse_rows(row.data(), 1, d);
       std::size_t const o = static_cast<std::size_t>(i) * a.out_stride;
       switch (a.out_type) {
         case kvq_elem_f32:
@@ -210,10 +218,10 @@ class cpu_device {
   }
 
   /// Batch rows [i0, i0 + n) of kv_head h of a write step as f32 rows of head_dim (see kvq_source):
-  /// residual rows, or input rows widened (and f16-rounded, saturating, when the step says so).
-  /// `half` is scratch for head_dim f16 values.
+  /// residual rows (stored as they are), or input rows widened, rotated by `rot` when not null, and
+  /// f16-rounded, saturating, when the step says so. `half` is scratch for head_dim f16 values.
   static void gather(kvq_write_args const& a, std::byte* layer, void const* input, int h, int i0, int n, float* out,
-                     f16* half) {
+                     f16* half, row_rotation const* rot) {
     int const d = a.head_dim;
     for (int k = 0; k < n; ++k) {
       int const i = i0 + k;
@@ -233,6 +241,7 @@ class cpu_device {
       } else {
         cpu_kernels::convert_to_f32(static_cast<bf16 const*>(input) + at, y, d);
       }
+      if (rot != nullptr) rot->forward(y);
       if (a.src.round_f16 != 0) {  // as stored in the f16 residual: finite beyond ±65504 -> ±65504, not Inf
         saturate_to_f16_range(y, d);
         cpu_kernels::convert_from_f32(y, half, d);
