@@ -1115,7 +1115,7 @@ struct kvq_decode_args {
   int32_t first;
   int32_t count;
   int32_t out_type;
-  int32_t reserved;
+  int32_t unrotate;  ///< 1: un-rotate the decoded rows (reads of a rotated codec, CPU); 0: as stored
 };
 static_assert(sizeof(kvq_decode_args) == 96, "kvq_decode_args must be 96 bytes on every compiler");
 
