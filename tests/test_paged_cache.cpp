@@ -11,6 +11,8 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 #include <kvq/paged_attention.hpp>
 #include <kvq/paged_cache.hpp>
 
@@ -30,9 +32,10 @@ namespace {
 
 using q8k_q4v = kvq::kv_codecs<kvq::q8_0, kvq::q4_0>;
 using int8k_kivi4v = kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>;
-using all_choices =
-    std::tuple<kvq::f32_codec, kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2,
-               kvq::mxfp4, kvq::nvfp4, q8k_q4v, int8k_kivi4v, kvq::kivi<2>, kvq::kivi<4>, kvq::kivi<8, 16>>;
+using rot_kivi4 = kvq::kv_codecs<kvq::rotated<kvq::kivi_key<4>>, kvq::rotated<kvq::kivi_value<4>>>;
+using all_choices = std::tuple<kvq::f32_codec, kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3,
+                               kvq::fp8_e5m2, kvq::mxfp4, kvq::nvfp4, q8k_q4v, int8k_kivi4v, kvq::kivi<2>, kvq::kivi<4>,
+                               kvq::kivi<8, 16>, kvq::rotated<kvq::q4_0>, rot_kivi4, kvq::tq4>;
 
 template <class Choice>
 constexpr bool uses_residual = kvq::detail::has_value_window<typename kvq::codec_pair<Choice>::value>::value ||
@@ -442,6 +445,11 @@ TEMPLATE_LIST_TEST_CASE("paged: the storage views address a sequence's units as 
             std::int64_t const row = (v.residual_first + tok - v.quantized_tokens) % v.residual_capacity;
             for (int i = 0; i < head_dim; ++i)
               got[static_cast<std::size_t>(i)] = kvq::to_f32(v.residual[row * head_dim + i]);
+            // A rotated side's residual rows hold R x: reads un-rotate them.
+            if (side == 0)
+              kvq::detail::side_rotation<K>(head_dim).inverse_rows(got.data(), 1, head_dim);
+            else
+              kvq::detail::side_rotation<V>(head_dim).inverse_rows(got.data(), 1, head_dim);
           }
           if (side == 0)
             c.read_keys(s, l, h, tok, 1, want.data());

@@ -15,6 +15,8 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 #include <kvq/paged_attention.hpp>
 #include <kvq/paged_cache.hpp>
 #include <kvq/persist.hpp>
@@ -39,9 +41,10 @@ using kvq_test::flat_contents;
 using kvq_test::same_floats;
 using q8k_q4v = kvq::kv_codecs<kvq::q8_0, kvq::q4_0>;
 using int8k_kivi4v = kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>;
-using all_choices =
-    std::tuple<kvq::f32_codec, kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3, kvq::fp8_e5m2,
-               kvq::mxfp4, kvq::nvfp4, q8k_q4v, int8k_kivi4v, kvq::kivi<2>, kvq::kivi<4>, kvq::kivi<8, 16>>;
+using rot_kivi4 = kvq::kv_codecs<kvq::rotated<kvq::kivi_key<4>>, kvq::rotated<kvq::kivi_value<4>>>;
+using all_choices = std::tuple<kvq::f32_codec, kvq::f16_codec, kvq::q8_0, kvq::q4_0, kvq::int8_sym, kvq::fp8_e4m3,
+                               kvq::fp8_e5m2, kvq::mxfp4, kvq::nvfp4, q8k_q4v, int8k_kivi4v, kvq::kivi<2>, kvq::kivi<4>,
+                               kvq::kivi<8, 16>, kvq::rotated<kvq::q8_0>, rot_kivi4, kvq::tq3>;
 
 constexpr int layers = 2;
 constexpr int kv_heads = 2;

@@ -35,8 +35,11 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -172,6 +175,8 @@ template <class C>
 auto facade_name() -> std::string {
   if constexpr (is_kivi_key<C>::value || is_kivi_value<C>::value) {
     return C::group == 32 ? "kivi" + std::to_string(C::bits) : "";
+  } else if constexpr (kvq::rotated_codec<C>) {  // the facade's rotated codecs use the default seed
+    return C::rotation_seed == kvq::default_rotation_seed ? std::string(C::name) : "";
   } else {
     return std::string(C::name);
   }
@@ -191,8 +196,9 @@ auto choice_name() -> std::string {
 }
 
 /// Stored scales of one encoded unit that are not finite (the test's own reading of each format).
-template <class C>
+template <class Codec>
 auto count_nonfinite_scales(std::vector<std::uint8_t> const& unit, int d) -> std::int64_t {
+  using C = kvq::stored_codec_t<Codec>;  // a rotated codec's scales are its stored codec's
   auto f16_at = [&](std::size_t off) {
     return kvq::to_f32(f16{static_cast<std::uint16_t>(unit[off] | (unit[off + 1] << 8))});
   };
@@ -206,6 +212,8 @@ auto count_nonfinite_scales(std::vector<std::uint8_t> const& unit, int d) -> std
     n += std::isfinite(s) ? 0 : 1;
   } else if constexpr (is_tile<C>) {
     for (int c = 0; c < d; ++c) n += std::isfinite(f16_at(2 * sz(c))) ? 0 : 1;
+  } else if constexpr (requires { C::scale(nullptr, 0); }) {  // tq: one f16 scale per power-of-two block of d
+    for (int b = 0; b < std::popcount(static_cast<unsigned>(d)); ++b) n += std::isfinite(f16_at(2 * sz(b))) ? 0 : 1;
   }
   return n;
 }
@@ -262,6 +270,20 @@ struct rules {
       C::decode_row(b.data(), d, y.data(), p);
     }
     return y;
+  }
+
+  /// Token t as the attention kernels read it: decoded by the stored codec, so in the rotated
+  /// space for a rotated codec (whose choices here are row codecs).
+  static auto stored(stream const& s, std::int64_t t, int d, params const& p) -> row_t {
+    if constexpr (kvq::rotated_codec<C>) {
+      static_assert(!is_tile<C>, "rotated KIVI keys are not among this test's choices");
+      row_t y(sz(d));
+      auto const b = unit_bytes(s, t, d, p);
+      kvq::stored_codec_t<C>::decode_row(b.data(), d, y.data(), p);
+      return y;
+    } else {
+      return decoded(s, t, d, p);
+    }
   }
 
   /// |min| of the group of each channel of token t (KIVI key tiles), else zeros: the SIMD kernels
@@ -528,6 +550,26 @@ auto run_for_error(F&& f, std::string* message = nullptr) -> err {
 ///   * f16 probabilities round each weight by max(2^-11 e_i, 2^-25) (e_i = exp(s_i − m) <= 1).
 /// The bound is Σ_i p_i eta_i |v_i| + (4N + 16) u Σ_i p_i |v_i| (+ the f16 term); the test allows
 /// twice that. A wrong token, head, channel, scale or rescale moves the output by O(p_i |v_i|).
+/// R x in float64 (FORMATS.md §6.1 with exact arithmetic): the signs of `seed`, the butterflies
+/// of each power-of-two block and 1/sqrt(n).
+auto rotate_f64(std::vector<double> x, int d, std::uint64_t seed) -> std::vector<double> {
+  for (int i = 0; i < d; ++i)
+    if ((kvq::detail::rotation_sign_word(seed, i / 64) >> (i % 64)) & 1u) x[sz(i)] = -x[sz(i)];
+  for (int o = 0; o < d;) {
+    int const n = kvq::detail::rotation_block_size(d, o);
+    for (int h = 1; h < n; h *= 2)
+      for (int i = o; i < o + n; ++i)
+        if (((i - o) & h) == 0) {
+          double const a = x[sz(i)], b = x[sz(i + h)];
+          x[sz(i)] = a + b;
+          x[sz(i + h)] = a - b;
+        }
+    for (int i = o; i < o + n; ++i) x[sz(i)] /= std::sqrt(static_cast<double>(n));
+    o += n;
+  }
+  return x;
+}
+
 struct head_reference {
   std::vector<double> out;
   std::vector<double> bound;
@@ -697,7 +739,10 @@ class driver {
       expect(run_for_error([&] { cache_t c({1, 1, 32, 64}, o); }) == err::argument, "constructor: bad fp8 scale");
     }
     std::string const kn = facade_name<K>(), vn = facade_name<V>();
-    if (!kn.empty() && !vn.empty()) {
+    auto const pairs = kvq::supported_codec_pairs();
+    bool const in_facade =
+        std::find(pairs.begin(), pairs.end(), std::pair<std::string_view, std::string_view>(kn, vn)) != pairs.end();
+    if (in_facade) {
       expect(run_for_error([&] { (void)kvq::make_any_cache(bad, kn, vn); }) == err::argument,
              "make_any_cache: invalid shape not refused");
       if (bad.layers >= 0 && bad.layers < 4) {
@@ -1321,10 +1366,11 @@ class driver {
       auto const& m = model_[sz(a.layer)][sz(kh)];
       std::vector<row_t> keys, offsets, values;
       bool tame = true;  // every attended K and V finite and moderate: the bound applies
+      // Rotated codecs: the reference works in the rotated space, as the kernels do.
       for (std::int64_t t = begin; t < len; ++t) {
-        keys.push_back(key_rules::decoded(m.first, t, d, opt_.key));
+        keys.push_back(key_rules::stored(m.first, t, d, opt_.key));
         offsets.push_back(key_rules::key_offsets(m.first, t, d, opt_.key));
-        values.push_back(value_rules::decoded(m.second, t, d, opt_.value));
+        values.push_back(value_rules::stored(m.second, t, d, opt_.value));
         for (int c = 0; c < d; ++c)
           tame = tame && std::fabs(keys.back()[sz(c)]) < 1e6f && std::fabs(values.back()[sz(c)]) < 1e6f;
       }
@@ -1335,6 +1381,7 @@ class driver {
       for (int g = 0; g < group; ++g) {
         int const h = kh * group + g;
         row_t q(a.q.begin() + h * d, a.q.begin() + (h + 1) * d);
+        if constexpr (kvq::rotated_codec<K>) kvq::detail::rotate_forward(q.data(), d, K::rotation_seed);
         if (a.opt.query == kvq::query_precision::q8_0) {
           std::vector<std::uint8_t> b(kvq::q8_0::geometry(d).bytes());
           kvq::q8_0::encode_row(q.data(), d, b.data());
@@ -1350,13 +1397,26 @@ class driver {
         auto const ref =
             reference_head(kp, op, vp, q, scale, a.opt.softcap, a.opt.probabilities == kvq::probability_precision::f16);
         if (ref.nan) continue;
+        // A rotated value side: the output rotated back exactly is compared in the rotated space,
+        // with the float un-rotation's rounding (log2 n + 1 rounded steps per block) added.
+        std::vector<double> oc(o, o + d), extra(sz(d), 0.0);
+        if constexpr (kvq::rotated_codec<V>) {
+          oc = rotate_f64(oc, d, V::rotation_seed);
+          for (int b0 = 0; b0 < d;) {
+            int const n = kvq::detail::rotation_block_size(d, b0);
+            double l1 = 0;
+            for (int i = b0; i < b0 + n; ++i) l1 += std::fabs(ref.out[sz(i)]) + ref.bound[sz(i)];
+            for (int i = b0; i < b0 + n; ++i) extra[sz(i)] = (std::log2(n) + 2.0) * 0x1.0p-23 * l1;
+            b0 += n;
+          }
+        }
         for (int c = 0; c < d; ++c) {
-          double const err_c = std::fabs(static_cast<double>(o[c]) - ref.out[sz(c)]);
-          double const tol = 2.0 * ref.bound[sz(c)] + 1e-37;
+          double const err_c = std::fabs(oc[sz(c)] - ref.out[sz(c)]);
+          double const tol = 2.0 * ref.bound[sz(c)] + extra[sz(c)] + 1e-37;
           if (!(err_c <= tol)) {
             std::ostringstream e;
-            e << form << " (" << describe(a) << "): head " << h << " channel " << c << " got " << o[c] << ", float64 "
-              << ref.out[sz(c)] << ", error " << err_c << " > bound " << tol;
+            e << form << " (" << describe(a) << "): head " << h << " channel " << c << " got " << oc[sz(c)]
+              << ", float64 " << ref.out[sz(c)] << ", error " << err_c << " > bound " << tol;
             throw mismatch{e.str()};
           }
         }
@@ -1634,7 +1694,8 @@ using choices = std::tuple<
     kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>, kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<2>>,
     kvq::kv_codecs<kvq::kivi_key<8>, kvq::kivi_value<4>>, kvq::kv_codecs<kvq::kivi_key<4>, kvq::kivi_value<2>>,
     kvq::kv_codecs<kvq::kivi_key<8>, kvq::kivi_value<2>>, kvq::kv_codecs<kvq::kivi_key<2, 16>, kvq::fp8_e5m2>,
-    kvq::kv_codecs<kvq::fp8_e5m2, kvq::kivi_value<8, 16>>>;
+    kvq::kv_codecs<kvq::fp8_e5m2, kvq::kivi_value<8, 16>>, kvq::rotated<kvq::q4_0>, kvq::tq4,
+    kvq::kv_codecs<kvq::rotated<kvq::q8_0, 3>, kvq::tq3>>;
 
 struct choice_entry {
   std::string name;
