@@ -61,6 +61,24 @@ auto reference(std::vector<float> const& q, std::vector<float> const& k, std::ve
   return out;
 }
 
+/// Σ (decode(encode(x)) − x)² / Σ x² of codec C over n rows x: (n, d).
+template <class C>
+auto squared_error(std::vector<float> const& x, int n, int d) -> double {
+  std::vector<std::uint8_t> b(C::geometry(d).bytes());
+  std::vector<float> y(sz(d));
+  double e = 0, s = 0;
+  for (int r = 0; r < n; ++r) {
+    float const* row = x.data() + sz(r) * d;
+    C::encode_row(row, d, b.data());
+    C::decode_row(b.data(), d, y.data());
+    for (int c = 0; c < d; ++c) {
+      e += (static_cast<double>(y[sz(c)]) - row[c]) * (static_cast<double>(y[sz(c)]) - row[c]);
+      s += static_cast<double>(row[c]) * row[c];
+    }
+  }
+  return e / s;
+}
+
 }  // namespace
 
 TEST_CASE("rotated: the codec name, geometry and parameters are the inner codec's", "[rotated]") {
@@ -157,24 +175,8 @@ TEST_CASE("rotated: the cache stores C(R x) rows and KIVI tiles and residual row
 TEST_CASE("rotated: q4_0 on rows with outlier channels loses less than plain q4_0", "[rotated][quality]") {
   int const d = 128, n = 256;
   auto const x = kvq_test::outlier_rows(n, d, 3);
-  auto err = [&](auto codec_tag) {
-    using C = decltype(codec_tag);
-    std::vector<std::uint8_t> b(C::geometry(d).bytes());
-    std::vector<float> y(sz(d));
-    double e = 0, s = 0;
-    for (int r = 0; r < n; ++r) {
-      float const* row = x.data() + sz(r) * d;
-      C::encode_row(row, d, b.data());
-      C::decode_row(b.data(), d, y.data());
-      for (int c = 0; c < d; ++c) {
-        e += (static_cast<double>(y[sz(c)]) - row[c]) * (static_cast<double>(y[sz(c)]) - row[c]);
-        s += static_cast<double>(row[c]) * row[c];
-      }
-    }
-    return e / s;
-  };
-  double const plain = err(kvq::q4_0{});
-  double const rot = err(kvq::rotated<kvq::q4_0>{});
+  double const plain = squared_error<kvq::q4_0>(x, n, d);
+  double const rot = squared_error<kvq::rotated<kvq::q4_0>>(x, n, d);
   INFO("relative squared error: q4_0 " << plain << ", rot-q4_0 " << rot);
   CHECK(rot < 0.5 * plain);
 }
@@ -327,23 +329,8 @@ TEST_CASE("tq: the codebook codecs store tq_codebook(R x) and read back Rᵀ ŷ 
 TEST_CASE("tq: tq4 loses less than q4_0 at fewer bits on head_dim 128 rows with outlier channels", "[rotated][tq]") {
   int const d = 128, n = 512;
   auto const x = kvq_test::outlier_rows(n, d, 61);
-  auto err = [&](auto codec_tag) {
-    using C = decltype(codec_tag);
-    std::vector<std::uint8_t> b(C::geometry(d).bytes());
-    std::vector<float> y(sz(d));
-    double e = 0, s = 0;
-    for (int r = 0; r < n; ++r) {
-      float const* row = x.data() + sz(r) * d;
-      C::encode_row(row, d, b.data());
-      C::decode_row(b.data(), d, y.data());
-      for (int c = 0; c < d; ++c) {
-        e += (static_cast<double>(y[sz(c)]) - row[c]) * (static_cast<double>(y[sz(c)]) - row[c]);
-        s += static_cast<double>(row[c]) * row[c];
-      }
-    }
-    return e / s;
-  };
-  double const q4 = err(kvq::q4_0{}), t4 = err(kvq::tq4{}), t3 = err(kvq::tq3{}), t2 = err(kvq::tq2{});
+  double const q4 = squared_error<kvq::q4_0>(x, n, d), t4 = squared_error<kvq::tq4>(x, n, d),
+               t3 = squared_error<kvq::tq3>(x, n, d), t2 = squared_error<kvq::tq2>(x, n, d);
   INFO("relative squared error: q4_0 " << q4 << ", tq4 " << t4 << ", tq3 " << t3 << ", tq2 " << t2);
   CHECK(kvq::bits_per_element<kvq::tq4>(d) < kvq::bits_per_element<kvq::q4_0>(d));
   CHECK(t4 < q4);
