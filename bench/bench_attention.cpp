@@ -5,7 +5,9 @@
 //
 // Shapes: gqa = 32 query / 8 KV heads, mha = 32 / 32; head_dim 128; contexts 512, 4k, 16k, 32k;
 // KIVI at G = 32, R = 128. Every codec runs with the default options (f32 query); q8_0, q4_0 and
-// int8 also run with query_precision::q8_0 (integer q·K), named <codec>+q8q.
+// int8 also run with query_precision::q8_0 (integer q·K), named <codec>+q8q. The rotated codecs
+// rot-q4_0 and tq4 (FORMATS.md §6) run one cell each, gqa at 4k on 1 and 2 threads, to set
+// against f16 and q4_0 there.
 //
 // Working set: each (codec, shape, context) builds one cache of L layers holding N(0,1) keys (four
 // outlier channels ×10) and values, L chosen so the K and V bytes attended over all layers are at
@@ -27,6 +29,8 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -34,6 +38,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -88,12 +93,14 @@ void bm_attention(benchmark::State& state, std::string const& key, shape_spec s,
   state.counters["working_set_bytes"] = static_cast<double>(set.kv_bytes) * layers;
 }
 
-/// Registers attention/<name>[+q8q]/<shape>/ctx:<context>/threads:<t> for every shape, context and
-/// thread count; the runs sharing one cache are registered next to each other.
+/// Registers attention/<name>[+q8q]/<shape>/ctx:<context>/threads:<t> for the given shapes and
+/// contexts (default: every one) and every thread count; the runs sharing one cache are registered
+/// next to each other.
 template <class Choice>
-void register_codec(std::string const& name, bool int8_keys) {
-  for (auto const& s : shapes) {
-    for (int context : contexts) {
+void register_codec(std::string const& name, bool int8_keys, std::span<shape_spec const> shape_list = shapes,
+                    std::span<int const> context_list = contexts) {
+  for (auto const& s : shape_list) {
+    for (int context : context_list) {
       std::string const key = name + "/" + s.name + "/" + std::to_string(context);
       for (auto precision : {kvq::query_precision::f32, kvq::query_precision::q8_0}) {
         if (precision == kvq::query_precision::q8_0 && !int8_keys) continue;
@@ -180,6 +187,11 @@ void register_all() {
   register_codec<kvq::kivi<2, 32>>("kivi2", false);
   register_codec<kvq::kivi<4, 32>>("kivi4", false);
   register_codec<kvq::kivi<8, 32>>("kivi8", false);
+  // The rotated codecs: gqa at 4k only (against f16 and q4_0 there).
+  constexpr shape_spec gqa[] = {shapes[0]};
+  constexpr int at_4k[] = {4096};
+  register_codec<kvq::rotated<kvq::q4_0>>("rot-q4_0", false, gqa, at_4k);
+  register_codec<kvq::tq4>("tq4", false, gqa, at_4k);
   register_machine("/again");
 }
 

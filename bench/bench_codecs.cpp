@@ -8,7 +8,10 @@
 // "% of memcpy" compares like with like: memcpy time / codec time for the same byte count.
 //
 // Entries: every row codec of DESIGN §8 under its name, and KIVI keys (tiles of G = 32 tokens) and
-// values (rows) on their own as kivi<B>.k and kivi<B>.v; the summary combines the two.
+// values (rows) on their own as kivi<B>.k and kivi<B>.v; the summary combines the two. The rotated
+// codecs rot-q4_0 and tq4 / tq3 / tq2 (FORMATS.md §6) run as the CPU cache runs them: rows rotated
+// by R in chunks of 16 that stay in L1, then encoded by the kernels of the stored codec
+// (kvq::stored_codec_t<C>: q4_0, or the tq codebook); decoded by those kernels, then un-rotated.
 // Sizes: 256 MiB of f32 is far beyond the last-level cache (DRAM bandwidth); 1 MiB stays in cache.
 #include <kvq/backend/cpu/kernels.hpp>
 #include <kvq/codec/fp8.hpp>
@@ -17,7 +20,10 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -73,7 +79,41 @@ auto tile_entry(std::string name) -> codec_entry {
           }};
 }
 
-/// Every entry, in the order of DESIGN §8.
+/// Rows of a rotated codec rotated (or un-rotated) and coded per chunk, as the CPU cache's gather does.
+inline constexpr std::size_t rotation_chunk = 16;
+
+/// A rotated codec C (FORMATS.md §6.1): each chunk of rows copied to an L1 scratch and rotated by
+/// R under C's seed, then encoded by kvq::cpu_kernels::encode_rows of the stored codec; decoded by
+/// decode_rows of the stored codec, then un-rotated in place.
+template <class C>
+auto rotated_row_entry(std::string name) -> codec_entry {
+  using stored = kvq::stored_codec_t<C>;
+  return {std::move(name), [](std::size_t rows) { return rows * C::geometry(head_dim).bytes(); },
+          [](float const* x, std::size_t rows, std::uint8_t* dst) {
+            std::size_t const bytes = C::geometry(head_dim).bytes();
+            kvq::detail::row_rotation const rotation(head_dim, C::rotation_seed);
+            std::vector<float> scratch(rotation_chunk * head_dim);
+            for (std::size_t r0 = 0; r0 < rows; r0 += rotation_chunk) {
+              std::size_t const n = std::min(rotation_chunk, rows - r0);
+              std::copy_n(x + r0 * head_dim, n * head_dim, scratch.data());
+              rotation.forward_rows(scratch.data(), static_cast<std::int64_t>(n), head_dim);
+              kvq::cpu_kernels::encode_rows<stored>(scratch.data(), head_dim, static_cast<std::int64_t>(n), head_dim,
+                                                    dst + r0 * bytes, bytes);
+            }
+          },
+          [](std::uint8_t const* src, std::size_t rows, float* y) {
+            std::size_t const bytes = C::geometry(head_dim).bytes();
+            kvq::detail::row_rotation const rotation(head_dim, C::rotation_seed);
+            for (std::size_t r0 = 0; r0 < rows; r0 += rotation_chunk) {
+              std::size_t const n = std::min(rotation_chunk, rows - r0);
+              kvq::cpu_kernels::decode_rows<stored>(src + r0 * bytes, bytes, static_cast<std::int64_t>(n), head_dim,
+                                                    y + r0 * head_dim, head_dim);
+              rotation.inverse_rows(y + r0 * head_dim, static_cast<std::int64_t>(n), head_dim);
+            }
+          }};
+}
+
+/// Every entry, in the order of DESIGN §8, then the rotated codecs (FORMATS.md §6).
 auto entries() -> std::vector<codec_entry> {
   return {row_entry<kvq::f32_codec>("f32"),
           row_entry<kvq::f16_codec>("f16"),
@@ -87,7 +127,11 @@ auto entries() -> std::vector<codec_entry> {
           tile_entry<kvq::kivi_key<4, 32>>("kivi4.k"),
           row_entry<kvq::kivi_value<4, 32>>("kivi4.v"),
           tile_entry<kvq::kivi_key<8, 32>>("kivi8.k"),
-          row_entry<kvq::kivi_value<8, 32>>("kivi8.v")};
+          row_entry<kvq::kivi_value<8, 32>>("kivi8.v"),
+          rotated_row_entry<kvq::rotated<kvq::q4_0>>("rot-q4_0"),
+          rotated_row_entry<kvq::tq4>("tq4"),
+          rotated_row_entry<kvq::tq3>("tq3"),
+          rotated_row_entry<kvq::tq2>("tq2")};
 }
 
 /// Buffers shared by every benchmark: the f32 input (N(0,1) with outlier channels), the encoded

@@ -10,7 +10,8 @@
 #   --quick      a short check of the script: contexts up to 4k, one short repetition, a small save/load
 #                working set; README untouched
 # Build directory: $KVQ_BUILD_DIR, default build/bench (configured Release, KVQ_SIMD=native). The
-# benchmarks take about 8 minutes on 2 cores (target: under 10); building them comes on top.
+# benchmarks take about 9 minutes on 2 cores (target: under 10; the rotated-codec cells add about 40 s);
+# building them comes on top.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 
@@ -28,7 +29,7 @@ while [ $# -gt 0 ]; do
       shift
       ;;
     -h | --help)
-      sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+      sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
       exit 0
       ;;
     *)

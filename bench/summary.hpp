@@ -29,9 +29,13 @@ namespace kvq_bench::summary {
 using json = nlohmann::json;
 using ordered_json = nlohmann::ordered_json;  // output documents keep their keys in schema order
 
-/// Codec names (DESIGN §8) in the order every table uses.
+/// Codec names (DESIGN §8, then the rotated codecs of FORMATS.md §6) in the order every table uses.
 inline std::vector<std::string> const codec_names = {"f32",      "f16",      "q4_0",  "q8_0",  "int8",
-                                                     "fp8_e4m3", "fp8_e5m2", "kivi2", "kivi4", "kivi8"};
+                                                     "fp8_e4m3", "fp8_e5m2", "kivi2", "kivi4", "kivi8",
+                                                     "rot-q4_0", "tq4",      "tq3",   "tq2"};
+
+/// The rotated codecs (FORMATS.md §6): their attention cells are also set against q4_0.
+inline std::vector<std::string> const rotated_codec_names = {"rot-q4_0", "tq4", "tq3", "tq2"};
 
 /// The size whose encode/decode figures feed the JSON and the targets.
 inline constexpr std::string_view target_size = "256MiB";
@@ -232,6 +236,7 @@ struct attention_row {
   std::optional<double> roofline_s;
   bool memory_bound = false;
   std::optional<double> speedup_vs_f16;
+  std::optional<double> speedup_vs_q4_0;  ///< time of the q4_0 row (f32 query) of the same cell / time
 
   auto label() const -> std::string { return q8_query ? codec + "+q8q" : codec; }
   auto pct_roofline() const -> std::optional<double> {
@@ -541,10 +546,11 @@ inline auto summarise(suite const& codecs, suite const& attention, suite const& 
     s.attention.push_back(row);
   }
   for (auto& row : s.attention) {
-    for (auto const& f16 : s.attention) {
-      if (f16.codec == "f16" && !f16.q8_query && f16.shape == row.shape && f16.context == row.context &&
-          f16.threads == row.threads && row.seconds > 0)
-        row.speedup_vs_f16 = f16.seconds / row.seconds;
+    for (auto const& other : s.attention) {
+      bool const same_cell = !other.q8_query && other.shape == row.shape && other.context == row.context &&
+                             other.threads == row.threads && row.seconds > 0;
+      if (same_cell && other.codec == "f16") row.speedup_vs_f16 = other.seconds / row.seconds;
+      if (same_cell && other.codec == "q4_0") row.speedup_vs_q4_0 = other.seconds / row.seconds;
     }
   }
   std::stable_sort(s.attention.begin(), s.attention.end(), [](attention_row const& x, attention_row const& y) {
@@ -783,6 +789,34 @@ inline auto context_text(int context) -> std::string {
   return context >= 1024 && context % 1024 == 0 ? std::to_string(context / 1024) + "k" : std::to_string(context);
 }
 
+/// The attention cells of the rotated codecs, one line per (shape, context, threads): "gqa 4k, 1
+/// thread: f16 2.13 ms, q4_0 1.38 ms, rot-q4_0 1.50 ms (1.42× f16, 0.92× q4_0), ...".
+inline auto rotated_lines(summary const& s) -> std::vector<std::string> {
+  auto const rotated = [](std::string const& codec) {
+    return std::find(rotated_codec_names.begin(), rotated_codec_names.end(), codec) != rotated_codec_names.end();
+  };
+  std::vector<std::string> lines;
+  std::set<std::tuple<int, std::string, int, int>> cells;  // shape rank (gqa first), shape, context, threads
+  for (auto const& r : s.attention)
+    if (rotated(r.codec) && !r.q8_query) cells.insert({r.shape == "gqa" ? 0 : 1, r.shape, r.context, r.threads});
+  for (auto const& [rank, shape, context, t] : cells) {
+    std::string line =
+        shape + " " + context_text(context) + ", " + std::to_string(t) + (t == 1 ? " thread:" : " threads:");
+    for (auto const& r : s.attention) {
+      if (r.q8_query || r.shape != shape || r.context != context || r.threads != t) continue;
+      if (r.codec != "f16" && r.codec != "q4_0" && !rotated(r.codec)) continue;
+      line += " " + r.label() + " " + ms_text(r.seconds) + " ms";
+      if (rotated(r.codec))
+        line += " (" + (r.speedup_vs_f16 ? format("%.2f×", *r.speedup_vs_f16) : std::string("—")) + " f16, " +
+                (r.speedup_vs_q4_0 ? format("%.2f×", *r.speedup_vs_q4_0) : std::string("—")) + " q4_0)";
+      line += ",";
+    }
+    line.pop_back();
+    lines.push_back(line);
+  }
+  return lines;
+}
+
 /// The multi-token figures the issue's targets read, one line each: the n_q = 8 time over the
 /// n_q = 1 time at gqa 16k per codec (per thread count), and n_q = 512 GFLOP/s as % of the f32
 /// peak per codec (per shape, context and thread count; the int8 peak too for +q8q rows).
@@ -949,6 +983,9 @@ inline void print_text(summary const& s, std::ostream& os) {
              detail::check_text(attention_targets(r))});
     }
     t.print(os, 3);
+    auto const rotated = detail::rotated_lines(s);
+    if (!rotated.empty()) os << "Rotated codecs against f16 and q4_0 (× = their time / time):\n";
+    for (auto const& line : rotated) os << "  " << line << "\n";
   }
 
   if (!s.multi_query.empty()) {
@@ -1031,7 +1068,10 @@ is left alone).
 `decode_rows` (row codecs) and `encode_tile` / `decode_tile_tokens` (KIVI keys, G = 32) over rows
 of head_dim 128 holding N(0, 1) values with four outlier channels, at 256 MiB of f32 (far beyond the
 last-level cache) and 1 MiB (inside it). KIVI keys (`kivi4.k`) and values (`kivi4.v`) are measured
-apart; the codec's figure combines them. **Bytes** of one pass = f32 bytes + encoded bytes (an
+apart; the codec's figure combines them. The rotated codecs `rot-q4_0` and `tq4` / `tq3` / `tq2`
+(FORMATS.md §6) run as the CPU cache runs them: chunks of 16 rows rotated by R in an L1 scratch,
+then `encode_rows` of the stored codec (`kvq::stored_codec_t`: q4_0, the tq codebook); `decode_rows`
+of the stored codec, then the inverse rotation. **Bytes** of one pass = f32 bytes + encoded bytes (an
 encode reads the first and writes the second, a decode the reverse). In the same binary and next to
 each codec: `memcpy` of half that many bytes (so it too reads and writes that many) and a read-only
 pass over the f32 and encoded bytes. **% of memcpy** = memcpy time / codec time over the same
@@ -1041,10 +1081,12 @@ bytes, i.e. the ratio of their GB/s.
 `kvq::decode_attention` (1 thread) and `kvq::decode_attention_parallel` (2 threads), for every
 codec with the default options (f32 query) and, as extra rows `<codec>+q8q`, q8_0 / q4_0 / int8
 with `query_precision::q8_0` (integer q·K). Shapes gqa (32 query / 8 KV heads) and mha (32 / 32),
-head_dim 128, contexts 512, 4k, 16k, 32k; KIVI at G = 32, R = 128. Keys are N(0, 1) with four
-outlier channels ×10, values N(0, 1). Each (codec, shape, context) fills enough layers that the K
-and V bytes attended over all of them are at least twice the last-level cache, and iteration i
-attends layer i mod L, so no result comes from cache. **× f16** = time of the f16 cache / time.
+head_dim 128, contexts 512, 4k, 16k, 32k; KIVI at G = 32, R = 128. The rotated codecs `rot-q4_0`
+and `tq4` run gqa at 4k only (1 and 2 threads), listed against f16 and q4_0 there. Keys are N(0, 1)
+with four outlier channels ×10, values N(0, 1). Each (codec, shape, context) fills enough layers
+that the K and V bytes attended over all of them are at least twice the last-level cache, and
+iteration i attends layer i mod L, so no result comes from cache. **× f16** = time of the f16 cache
+/ time; **× q4_0** = time of the q4_0 cache / time.
 
 **Roofline** of one call = max(K+V bytes / read bandwidth, q·K ops / their peak + p·V ops / the
 f32 FMA peak), with every figure measured in the same run and thread count: K+V bytes = the bytes
@@ -1160,6 +1202,11 @@ memcpy** = GB/s of image bytes / memcpy's GB/s over the same bytes.
           os << "\n";
         }
       }
+    }
+    if (auto const rotated = detail::rotated_lines(s); !rotated.empty()) {
+      os << "\n### Rotated codecs against f16 and q4_0\n\nMedian time per call; × = f16's or q4_0's time / time "
+            "(same shape, context and threads).\n\n";
+      for (auto const& line : rotated) os << "- " << line << "\n";
     }
   }
 

@@ -18,6 +18,8 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 #include <kvq/paged_attention.hpp>
 #include <kvq/paged_cache.hpp>
 
@@ -198,7 +200,7 @@ struct paged_entry {
 };
 
 /// The codec choices --paged supports (each compiled as a PagedKVCache<Choice>).
-inline constexpr std::array<paged_entry, 12> paged_table = {{
+inline constexpr std::array<paged_entry, 18> paged_table = {{
     {"f32", "f32", &run_paged<kvq::f32_codec>},
     {"f16", "f16", &run_paged<kvq::f16_codec>},
     {"q8_0", "q8_0", &run_paged<kvq::q8_0>},
@@ -211,6 +213,13 @@ inline constexpr std::array<paged_entry, 12> paged_table = {{
     {"kivi2", "kivi2", &run_paged<kvq::kivi<2>>},
     {"kivi4", "kivi4", &run_paged<kvq::kivi<4>>},
     {"kivi8", "kivi8", &run_paged<kvq::kivi<8>>},
+    {"rot-q8_0", "rot-q8_0", &run_paged<kvq::rotated<kvq::q8_0>>},
+    {"rot-q4_0", "rot-q4_0", &run_paged<kvq::rotated<kvq::q4_0>>},
+    {"rot-kivi4", "rot-kivi4",
+     &run_paged<kvq::kv_codecs<kvq::rotated<kvq::kivi_key<4>>, kvq::rotated<kvq::kivi_value<4>>>>},
+    {"tq4", "tq4", &run_paged<kvq::tq4>},
+    {"tq3", "tq3", &run_paged<kvq::tq3>},
+    {"tq2", "tq2", &run_paged<kvq::tq2>},
 }};
 
 /// The runner of configuration `c`, or nullptr when --paged does not support its codec pair.

@@ -256,12 +256,33 @@ inline auto xml_escape(std::string const& s) -> std::string {
   return o;
 }
 
-/// Draws error (synthetic: attention relative error, log scale; model: perplexity) against bits
-/// per element, one labelled point per configuration; a model's title states its prefill chunk when > 1.
+/// The floor of the perplexity excess drawn by to_svg (0.001 %): the f32 reference and configurations
+/// within it share the bottom of the chart.
+inline constexpr double svg_excess_floor = 1e-5;
+
+/// "0.0032 %", "2.2 %", "105 %": a perplexity excess (a ratio) as a percentage for an axis label.
+inline auto excess_text(double ratio) -> std::string {
+  double const pct = 100.0 * ratio;
+  std::ostringstream s;
+  if (pct >= 10.0)
+    s << std::fixed << std::setprecision(0) << pct;
+  else
+    s << std::setprecision(2) << pct;
+  return s.str() + " %";
+}
+
+/// Draws error against bits per element, one labelled point per configuration, on a log scale:
+/// the synthetic workload's attention relative error, or a model's perplexity excess over the f32
+/// reference (PPL / PPL_ref - 1, floored at svg_excess_floor), so that configurations within 0.01 %
+/// and those at +1000 % share one chart; a model's title states its prefill chunk when > 1.
 inline auto to_svg(std::vector<result> const& rows, bool model, int chunk) -> std::string {
   double const width = 900, height = 560, left = 80, right = 30, top = 50, bottom = 60;
   double xmin = 1e9, xmax = -1e9, ymin = 1e300, ymax = -1e300;
-  auto yval = [&](result const& r) { return model ? r.ppl.value_or(0) : std::log10(std::max(r.attn_rel_error, 1e-9)); };
+  auto yval = [&](result const& r) {
+    if (!model) return std::log10(std::max(r.attn_rel_error, 1e-9));
+    double const excess = r.ppl && r.ppl_ref && *r.ppl_ref > 0 ? *r.ppl / *r.ppl_ref - 1.0 : 0.0;
+    return std::log10(std::max(excess, svg_excess_floor));
+  };
   for (auto const& r : rows) {
     xmin = std::min(xmin, r.bits_per_element);
     xmax = std::max(xmax, r.bits_per_element);
@@ -280,7 +301,7 @@ inline auto to_svg(std::vector<result> const& rows, bool model, int chunk) -> st
     << "\" font-family=\"sans-serif\" font-size=\"11\">\n";
   s << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   s << "<text x=\"" << width / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">kvq-eval: "
-    << (model ? "perplexity" : "decode-attention relative error") << " vs bits per element"
+    << (model ? "perplexity excess over the f32 cache" : "decode-attention relative error") << " vs bits per element"
     << (model && chunk > 1 ? " (prefill chunk " + std::to_string(chunk) + ")" : std::string()) << "</text>\n";
   // Axes and grid.
   s << "<line x1=\"" << left << "\" y1=\"" << height - bottom << "\" x2=\"" << width - right << "\" y2=\""
@@ -298,12 +319,14 @@ inline auto to_svg(std::vector<result> const& rows, bool model, int chunk) -> st
     s << "<line x1=\"" << left << "\" y1=\"" << py(y) << "\" x2=\"" << width - right << "\" y2=\"" << py(y)
       << "\" stroke=\"#eee\"/>\n";
     s << "<text x=\"" << left - 6 << "\" y=\"" << py(y) + 4 << "\" text-anchor=\"end\">"
-      << (model ? fixed(y, 3) : sci(std::pow(10.0, y))) << "</text>\n";
+      << (model ? excess_text(std::pow(10.0, y)) : sci(std::pow(10.0, y))) << "</text>\n";
   }
   s << "<text x=\"" << (left + width - right) / 2 << "\" y=\"" << height - 18
     << "\" text-anchor=\"middle\">bits per element (scales, residual and padding included)</text>\n";
   s << "<text x=\"18\" y=\"" << (top + height - bottom) / 2 << "\" text-anchor=\"middle\" transform=\"rotate(-90 18 "
-    << (top + height - bottom) / 2 << ")\">" << (model ? "perplexity" : "attention output relative error (log scale)")
+    << (top + height - bottom) / 2 << ")\">"
+    << (model ? "PPL / PPL(f32) - 1 (log scale; 0.001 % and below at the floor)"
+              : "attention output relative error (log scale)")
     << "</text>\n";
   for (std::size_t i = 0; i < rows.size(); ++i) {
     auto const& r = rows[i];
