@@ -50,6 +50,7 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/codec/fp8.hpp
     include/kvq/codec/fp4.hpp
     include/kvq/codec/rotated.hpp
+    include/kvq/codec/tq_codebook.hpp
     include/kvq/codec/tq.hpp
     include/kvq/codec/kivi.hpp
     include/kvq/backend/metal/kernels_metal_src.hpp

@@ -2,9 +2,9 @@
 // compiled into this build (avx2 and avx512 on x86 with -march=native, neon on AArch64) against the
 // scalar reference of attention.hpp, through detail::attend_range_with<Kernel>, on the same cache:
 //   * every codec (and mixed pairs, KIVI with R = 0/32/128 and group sizes that take the
-//     channel-scaled and the decoded key paths), head_dim 8/40/80/128, group sizes 1/2/3/4/8,
-//     contexts 1 .. 300, sub-ranges that start and end off the tile grid, window, soft-cap,
-//     f16 probabilities;
+//     channel-scaled and the decoded key paths, tq2/3/4 read in registers or decoded), head_dim
+//     8/40/80/128, group sizes 1/2/3/4/8, contexts 1 .. 300, sub-ranges that start and end off the
+//     tile grid, window, soft-cap, f16 probabilities;
 //   * q8_0 query: the q8_0 / q4_0 / int8 key logits equal the reference's bit for bit (the running
 //     max of a one-token range is the scaled logit itself);
 //   * NaN/Inf: NaN and +Inf logits give the reference's NaN heads, -Inf logits weight 0.
@@ -20,6 +20,7 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/tq.hpp>
 
 #include <bit>
 #include <cmath>
@@ -196,6 +197,36 @@ TEST_CASE("SIMD attention matches the reference: fp8", "[attention_kernels]") {
   check_choice<kvq::fp8_e5m2>("fp8_e5m2");
 }
 
+TEST_CASE("SIMD attention matches the reference: tq2, tq3, tq4", "[attention_kernels][tq]") {
+  // Head dims 128 and 80 (blocks 64 + 16) read the rows in registers on every ISA; 40 (32 + 8) and
+  // 8 too on AVX2 and NEON, and through decoded rows on AVX-512 (a block smaller than 16 lanes).
+  check_choice<kvq::tq4>("tq4");
+  check_choice<kvq::tq3>("tq3");
+  check_choice<kvq::tq2>("tq2");
+  check_choice<kvq::kv_codecs<kvq::tq4, kvq::q8_0>>("tq4 keys / q8_0 values");
+  check_choice<kvq::kv_codecs<kvq::f16_codec, kvq::tq3>>("f16 keys / tq3 values");
+  check_choice<kvq::kv_codecs<kvq::tq<2, 12345>, kvq::tq<4, 7>>>("tq2 seed 12345 keys / tq4 seed 7 values");
+}
+
+TEST_CASE("SIMD attention: tq rows holding NaN or Inf as the reference", "[attention_kernels][tq]") {
+  int const kv = 2, qh = 8;
+  std::int64_t const n = 100;
+  for (int d : {128, 96, 40}) {
+    auto const q = queries(qh, d, 13);
+    std::mt19937 gen(17);
+    std::normal_distribution<float> nd;
+    std::vector<float> k(static_cast<std::size_t>(n) * kv * d), v(k.size());
+    for (auto& x : k) x = nd(gen);
+    for (auto& x : v) x = nd(gen);
+    k[static_cast<std::size_t>(40 * kv + 1) * d + 5] = inf_f;  // a poisoned key row: NaN logits
+    v[static_cast<std::size_t>(70 * kv) * d + 9] = std::numeric_limits<float>::quiet_NaN();
+    kvq::QuantizedKVCache<kvq::tq4> cache({2, kv, d, n});
+    cache.append(1, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+    compare(cache, q, qh, 0, n, {}, 2e-5, "tq4 with NaN/Inf rows, head_dim " + std::to_string(d));
+    compare(cache, q, qh, 0, 40, {}, 2e-5, "tq4 before the poisoned key, head_dim " + std::to_string(d));
+  }
+}
+
 TEST_CASE("SIMD attention matches the reference: KIVI", "[attention_kernels]") {
   for (int r : {0, 32, 128}) {
     check_choice<kvq::kivi<2>>("kivi2, R " + std::to_string(r), r);
@@ -351,4 +382,6 @@ TEST_CASE("SIMD multi-token attention matches the reference for every codec", "[
   check_multi_token<kvq::kivi<2>>("kivi2");
   check_multi_token<kvq::kivi<4, 16>>("kivi4 G16");
   check_multi_token<kvq::kv_codecs<kvq::mxfp4, kvq::nvfp4>>("mxfp4/nvfp4");
+  check_multi_token<kvq::tq4>("tq4");
+  check_multi_token<kvq::kv_codecs<kvq::tq2, kvq::tq3>>("tq2/tq3");
 }

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -59,6 +60,14 @@ using u32 = std::uint32_t;
     template <class T>                                                                                           \
     static void from_f32(float const* s, T* d, std::int64_t n) {                                                 \
       NS::convert_from_f32(s, d, n);                                                                             \
+    }                                                                                                            \
+    static void rotate_forward(float* x, std::int64_t rows, std::ptrdiff_t stride, int hd,                       \
+                               std::uint64_t const* words) {                                                     \
+      NS::rotate_forward_rows(x, rows, stride, hd, words);                                                       \
+    }                                                                                                            \
+    static void rotate_inverse(float* x, std::int64_t rows, std::ptrdiff_t stride, int hd,                       \
+                               std::uint64_t const* words) {                                                     \
+      NS::rotate_inverse_rows(x, rows, stride, hd, words);                                                       \
     }                                                                                                            \
   };
 
@@ -295,15 +304,19 @@ auto hex32(float f) -> std::string {
 template <class C>
 auto codec_label() -> std::string {
   std::string s(C::name);
-  if constexpr (requires { C::bits; }) s += "<" + std::to_string(C::bits) + "," + std::to_string(C::group) + ">";
+  if constexpr (requires {
+                  C::bits;
+                  C::group;
+                })
+    s += "<" + std::to_string(C::bits) + "," + std::to_string(C::group) + ">";
   return s;
 }
 
 /// Encodes and decodes rows of every kind with Isa and compares with C::encode_row / decode_row.
 template <class Isa, class C>
-void check_row_codec(typename C::params_type const& p, std::string const& what) {
+void check_row_codec(typename C::params_type const& p, std::string const& what, std::span<int const> dims = head_dims) {
   std::uint32_t seed = 1234;
-  for (int hd : head_dims) {
+  for (int hd : dims) {
     for (int packed = 0; packed < 2; ++packed) {
       int const rows = 2 * row_kinds + 3;
       std::ptrdiff_t const xs = packed ? hd : hd + 5;
@@ -358,8 +371,9 @@ void check_row_codec(typename C::params_type const& p, std::string const& what) 
 }
 
 template <class C>
-void check_row_codec_all_isas(typename C::params_type const& p = {}, std::string const& extra = {}) {
-  for_each_isa([&]<class Isa>() { check_row_codec<Isa, C>(p, codec_label<C>() + extra); });
+void check_row_codec_all_isas(typename C::params_type const& p = {}, std::string const& extra = {},
+                              std::span<int const> dims = head_dims) {
+  for_each_isa([&]<class Isa>() { check_row_codec<Isa, C>(p, codec_label<C>() + extra, dims); });
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -584,6 +598,133 @@ TEST_CASE("KIVI value rows are bit-exact on every ISA", "[simd][kivi]") {
   check_row_codec_all_isas<kvq::kivi_value<2, 8>>();
   check_row_codec_all_isas<kvq::kivi_value<4, 16>>();
   check_row_codec_all_isas<kvq::kivi_value<8, 24>>();
+}
+
+// -------------------------------------------------------------------------------------------------
+// The rotation R and the tq codebooks
+
+/// Head dims of the rotation and tq tests: blocks below, at and above every lane count, and
+/// blocks beyond 16 vectors (the in-memory stages).
+constexpr int rotation_head_dims[] = {1, 7, 8, 16, 40, 64, 80, 96, 128, 256, 1000, 2048};
+
+/// Rotates rows of every kind with Isa (forward and inverse, packed and strided) and compares with
+/// detail::rotate_forward_signs / rotate_inverse_signs: identical bits, NaN-ness for NaN
+/// (whose payload and sign the reference's own compilation leaves open: a - b or a + (-b)), the
+/// gaps between rows untouched.
+template <class Isa>
+void check_rotation() {
+  std::uint32_t data_seed = 77;
+  for (std::uint64_t seed : {std::uint64_t{0x6B7671}, std::uint64_t{0}, std::uint64_t{1}, std::uint64_t{0xffffffffu},
+                             std::uint64_t{0x12345678u}}) {
+    for (int hd : rotation_head_dims) {
+      std::vector<std::uint64_t> words(static_cast<std::size_t>(kvq::detail::rotation_word_count(hd)));
+      kvq::detail::rotation_sign_words(seed, hd, words.data());
+      for (int packed = 0; packed < 2; ++packed) {
+        int const rows = row_kinds + 3;
+        std::ptrdiff_t const xs = packed ? hd : hd + 3;
+        auto const x = make_rows(rows, hd, xs, data_seed++);
+        for (int inverse = 0; inverse < 2; ++inverse) {
+          INFO(Isa::name << " rotation seed " << seed << " head_dim " << hd << (packed ? " packed" : " strided")
+                         << (inverse ? " inverse" : " forward"));
+          std::vector<float> want = x, got = x;
+          for (int r = 0; r < rows; ++r) {
+            float* row = want.data() + r * xs;
+            if (inverse)
+              kvq::detail::rotate_inverse_signs(row, hd, words.data());
+            else
+              kvq::detail::rotate_forward_signs(row, hd, words.data());
+          }
+          if (inverse)
+            Isa::rotate_inverse(got.data(), rows, xs, hd, words.data());
+          else
+            Isa::rotate_forward(got.data(), rows, xs, hd, words.data());
+          auto const e = first_float_diff(want, got, true);
+          if (e >= 0)
+            UNSCOPED_INFO("first difference at row " << e / xs << " (kind " << (e / xs) % row_kinds << ") channel "
+                                                     << e % xs << ": reference "
+                                                     << hex32(want[static_cast<std::size_t>(e)]) << ", got "
+                                                     << hex32(got[static_cast<std::size_t>(e)]));
+          CHECK(e == -1);
+          // Rows without NaN or Inf (every kind but 7 and 13, and 10 can overflow): bits, strictly.
+          for (int r = 0; r < rows; ++r) {
+            bool finite = true;
+            for (int c = 0; c < hd; ++c) finite = finite && std::isfinite(want[static_cast<std::size_t>(r * xs + c)]);
+            if (!finite) continue;
+            for (int c = 0; c < hd; ++c) {
+              auto const i = static_cast<std::size_t>(r * xs + c);
+              if (kvq_test::bits(want[i]) != kvq_test::bits(got[i])) {
+                UNSCOPED_INFO("row " << r << " channel " << c << ": reference " << hex32(want[i]) << ", got "
+                                     << hex32(got[i]));
+                CHECK(false);
+                break;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the rotation R is bit-identical to the reference on every ISA", "[simd][rotation]") {
+  for_each_isa([&]<class Isa>() { check_rotation<Isa>(); });
+}
+
+TEST_CASE("row_rotation (the dispatching kernels) is bit-identical to the reference", "[simd][rotation]") {
+  for (int hd : rotation_head_dims) {
+    kvq::detail::row_rotation const rot(hd, kvq::default_rotation_seed);
+    std::vector<std::uint64_t> words(static_cast<std::size_t>(kvq::detail::rotation_word_count(hd)));
+    kvq::detail::rotation_sign_words(kvq::default_rotation_seed, hd, words.data());
+    auto const x = make_rows(4, hd, hd, 5u + static_cast<std::uint32_t>(hd));
+    std::vector<float> a = x, b = x;
+    for (int r = 0; r < 4; ++r) kvq::detail::rotate_forward(a.data() + r * hd, hd, kvq::default_rotation_seed);
+    rot.forward_rows(b.data(), 4, hd);
+    INFO("head_dim " << hd);
+    CHECK(first_float_diff(a, b, true) == -1);
+    for (int r = 0; r < 4; ++r) kvq::detail::rotate_inverse(a.data() + r * hd, hd, kvq::default_rotation_seed);
+    for (int r = 0; r < 4; ++r) rot.inverse(b.data() + r * hd);
+    CHECK(first_float_diff(a, b, true) == -1);
+  }
+}
+
+TEST_CASE("tq codebook rows are bit-exact on every ISA", "[simd][tq]") {
+  check_row_codec_all_isas<kvq::detail::tq_codebook<2>>({}, {}, rotation_head_dims);
+  check_row_codec_all_isas<kvq::detail::tq_codebook<3>>({}, {}, rotation_head_dims);
+  check_row_codec_all_isas<kvq::detail::tq_codebook<4>>({}, {}, rotation_head_dims);
+}
+
+TEST_CASE("tq codebook rows of rotated data are bit-exact on every ISA", "[simd][tq]") {
+  // The codec's real inputs: rotated rows (Gaussian-like coordinates), zero blocks, huge and tiny
+  // norms (sums of squares overflowing to Inf, underflowing to 0).
+  auto check = [&]<class Isa, int B>() {
+    using C = kvq::detail::tq_codebook<B>;
+    std::uint32_t seed = 99;
+    for (int hd : rotation_head_dims) {
+      kvq::detail::row_rotation const rot(hd, kvq::default_rotation_seed);
+      int const rows = 40;
+      auto x = make_rows(rows, hd, hd, seed++);
+      std::mt19937 rng(seed);
+      for (int r = 0; r < rows; ++r) {
+        float* row = x.data() + r * hd;
+        if (r % 5 == 1)
+          for (int c = 0; c < hd / 2; ++c) row[c] = 0.0f;  // zero blocks (of the first blocks)
+        if (r % 5 == 2)
+          for (int c = 0; c < hd; ++c) row[c] *= r % 2 ? 3e19f : 1e-21f;
+      }
+      rot.forward_rows(x.data(), rows, hd);
+      std::size_t const bytes = C::geometry(hd).bytes();
+      std::vector<u8> want(rows * bytes), got(rows * bytes, 0xab);
+      for (int r = 0; r < rows; ++r) C::encode_row(x.data() + r * hd, hd, want.data() + r * bytes);
+      Isa::template encode_rows<C>(x.data(), hd, rows, hd, got.data(), bytes, {});
+      INFO(Isa::name << " tq" << B << " head_dim " << hd);
+      CHECK(first_diff(want.data(), got.data(), want.size()) == -1);
+    }
+  };
+  for_each_isa([&]<class Isa>() {
+    check.template operator()<Isa, 2>();
+    check.template operator()<Isa, 3>();
+    check.template operator()<Isa, 4>();
+  });
 }
 
 TEST_CASE("KIVI key tiles are bit-exact on every ISA", "[simd][kivi]") {

@@ -122,31 +122,37 @@ void use_cache(float const* x, f16 const* h, bf16 const* b, float* out) {
   NS::encode_tile<C>(x, 64, 64, dst, {}); \
   NS::decode_tile_tokens<C>(dst, 64, 1, 3, y, 64, {})
 /// Every codec and element conversion of one instruction set.
-#define KVQ_HW_ISA(NS)                      \
-  KVQ_HW_ROW_CODEC(NS, kvq::f32_codec);     \
-  KVQ_HW_ROW_CODEC(NS, kvq::f16_codec);     \
-  KVQ_HW_ROW_CODEC(NS, kvq::q8_0);          \
-  KVQ_HW_ROW_CODEC(NS, kvq::q4_0);          \
-  KVQ_HW_ROW_CODEC(NS, kvq::int8_sym);      \
-  KVQ_HW_ROW_CODEC(NS, kvq::fp8_e4m3);      \
-  KVQ_HW_ROW_CODEC(NS, kvq::fp8_e5m2);      \
-  KVQ_HW_ROW_CODEC(NS, kvq::mxfp4);         \
-  KVQ_HW_ROW_CODEC(NS, kvq::nvfp4);         \
-  KVQ_HW_ROW_CODEC(NS, kvq::kivi_value<2>); \
-  KVQ_HW_ROW_CODEC(NS, kivi_value_4_16);    \
-  KVQ_HW_ROW_CODEC(NS, kvq::kivi_value<8>); \
-  KVQ_HW_TILE_CODEC(NS, kvq::kivi_key<2>);  \
-  KVQ_HW_TILE_CODEC(NS, kivi_key_4_16);     \
-  KVQ_HW_TILE_CODEC(NS, kvq::kivi_key<8>);  \
-  NS::convert_to_f32(h, y, 64);             \
-  NS::convert_to_f32(b, y, 64);             \
-  NS::convert_to_f32(x, y, 64);             \
-  NS::convert_from_f32(x, h16, 64);         \
-  NS::convert_from_f32(x, b16, 64);         \
+#define KVQ_HW_ISA(NS)                               \
+  KVQ_HW_ROW_CODEC(NS, kvq::f32_codec);              \
+  KVQ_HW_ROW_CODEC(NS, kvq::f16_codec);              \
+  KVQ_HW_ROW_CODEC(NS, kvq::q8_0);                   \
+  KVQ_HW_ROW_CODEC(NS, kvq::q4_0);                   \
+  KVQ_HW_ROW_CODEC(NS, kvq::int8_sym);               \
+  KVQ_HW_ROW_CODEC(NS, kvq::fp8_e4m3);               \
+  KVQ_HW_ROW_CODEC(NS, kvq::fp8_e5m2);               \
+  KVQ_HW_ROW_CODEC(NS, kvq::mxfp4);                  \
+  KVQ_HW_ROW_CODEC(NS, kvq::nvfp4);                  \
+  KVQ_HW_ROW_CODEC(NS, kvq::kivi_value<2>);          \
+  KVQ_HW_ROW_CODEC(NS, kivi_value_4_16);             \
+  KVQ_HW_ROW_CODEC(NS, kvq::kivi_value<8>);          \
+  KVQ_HW_TILE_CODEC(NS, kvq::kivi_key<2>);           \
+  KVQ_HW_TILE_CODEC(NS, kivi_key_4_16);              \
+  KVQ_HW_TILE_CODEC(NS, kvq::kivi_key<8>);           \
+  KVQ_HW_ROW_CODEC(NS, kvq::detail::tq_codebook<2>); \
+  KVQ_HW_ROW_CODEC(NS, kvq::detail::tq_codebook<3>); \
+  KVQ_HW_ROW_CODEC(NS, kvq::detail::tq_codebook<4>); \
+  NS::rotate_forward_rows(y, 2, 64, 64, words);      \
+  NS::rotate_inverse_rows(y, 2, 64, 64, words);      \
+  NS::convert_to_f32(h, y, 64);                      \
+  NS::convert_to_f32(b, y, 64);                      \
+  NS::convert_to_f32(x, y, 64);                      \
+  NS::convert_from_f32(x, h16, 64);                  \
+  NS::convert_from_f32(x, b16, 64);                  \
   NS::convert_from_f32(x, y, 64)
 
 /// The CPU codec kernels of every instruction set compiled in, and the dispatching entry points.
 void use_kernels(float const* x, f16 const* h, bf16 const* b, std::uint8_t* dst, float* y, f16* h16, bf16* b16) {
+  std::uint64_t const words[1] = {0x5a5a5a5a5a5a5a5au};
   KVQ_HW_ISA(kvq::cpu_kernels::scalar);
   KVQ_HW_ISA(kvq::cpu_kernels);
 #if defined(KVQ_CPU_HAS_AVX2)

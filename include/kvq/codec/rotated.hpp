@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../backend/cpu/kernels.hpp"
 #include "../detail/rotation.h"
 #include "codec.hpp"
 
@@ -79,17 +80,18 @@ class row_rotation {
       : head_dim_(head_dim), words_(static_cast<std::size_t>((head_dim + 63) / 64)) {
     rotation_sign_words(seed, head_dim, words_.data());
   }
-  /// x ← R x for one row of head_dim floats.
-  void forward(float* x) const noexcept { rotate_forward_signs(x, head_dim_, words_.data()); }
+  /// x ← R x for one row of head_dim floats (the SIMD kernels of this translation unit's level,
+  /// bit-identical to detail::rotate_forward_signs).
+  void forward(float* x) const noexcept { forward_rows(x, 1, head_dim_); }
   /// x ← Rᵀ x for one row of head_dim floats.
-  void inverse(float* x) const noexcept { rotate_inverse_signs(x, head_dim_, words_.data()); }
+  void inverse(float* x) const noexcept { inverse_rows(x, 1, head_dim_); }
   /// Applies forward to `rows` rows `stride` floats apart.
   void forward_rows(float* x, std::int64_t rows, std::ptrdiff_t stride) const noexcept {
-    for (std::int64_t r = 0; r < rows; ++r) forward(x + r * stride);
+    cpu_kernels::rotate_forward_rows(x, rows, stride, head_dim_, words_.data());
   }
   /// Applies inverse to `rows` rows `stride` floats apart.
   void inverse_rows(float* x, std::int64_t rows, std::ptrdiff_t stride) const noexcept {
-    for (std::int64_t r = 0; r < rows; ++r) inverse(x + r * stride);
+    cpu_kernels::rotate_inverse_rows(x, rows, stride, head_dim_, words_.data());
   }
 
  private:

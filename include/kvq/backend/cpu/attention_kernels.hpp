@@ -6,9 +6,11 @@
 //   * the range is walked in tiles of `tile` tokens aligned to multiples of `tile`; every key and
 //     value byte of a tile is read once and used by every query head of the group;
 //   * keys: row codecs are decoded into an L1-resident f32 tile (the f32 cache is read in place) and
-//     dotted with each head; KIVI keys skip decoding: with channel-major codes, the logits of a tile
-//     are sum_c (q[c] * scale_c) * code[c][t] + sum_c q[c] * min_c, so the query is scaled per
-//     channel once per tile and multiplied straight into the codes;
+//     dotted with each head, or decoded in registers for a few heads (the codecs with a row loader
+//     below; tq codebooks by a register-table lookup of the centroids); KIVI keys skip decoding:
+//     with channel-major codes, the logits of a tile are sum_c (q[c] * scale_c) * code[c][t] +
+//     sum_c q[c] * min_c, so the query is scaled per channel once per tile and multiplied straight
+//     into the codes;
 //   * with a q8_0 query, q8_0 / q4_0 / int8 keys use exact integer block dot products (VNNI where
 //     the flags allow), combined in the reference's order, so those logits equal the scalar
 //     reference bit for bit;
@@ -20,6 +22,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -34,9 +37,18 @@
 #include "../../codec/passthrough.hpp"
 #include "../../codec/q4_0.hpp"
 #include "../../codec/q8_0.hpp"
+#include "../../codec/tq_codebook.hpp"
 #include "../../detail/block_layouts.h"
 #include "../../detail/host_vector.hpp"
 #include "simd_codecs.hpp"
+
+// The dot tiles' inner step must be inlined (its accumulators then stay in registers); GCC's
+// size heuristics may decline it for loaders with larger bodies.
+#if defined(__GNUC__)
+#  define KVQ_CPU_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#  define KVQ_CPU_ALWAYS_INLINE
+#endif
 
 KVQ_NAMESPACE_BEGIN
 namespace cpu_kernels {
@@ -341,6 +353,45 @@ struct simd_attention {
     }
   };
 
+  /// tq codebook rows (tq_codebook<B>, FORMATS.md §6.2): the codes of W channels unpacked from
+  /// the bit stream and looked up in a register table of the centroids times the scale of their
+  /// rotation block, c[code] * g (one rounding, the codec's decode; NaN signs aside). For head_dims
+  /// that are multiples of W: every vector the kernels load then lies inside one rotation block,
+  /// and prepare(t, c) scales the table by the scale of c's block (blocks of >= 32 channels are
+  /// 32-aligned).
+  template <int B>
+  struct tq_rows {
+    std::uint8_t const* const* rows;
+    int d;
+    int scale_bytes;  // 2 * rotation blocks: where the codes start
+    typename V::table16 table;
+    float centroid[16];
+    struct prep {
+      typename V::table16 scaled;
+    };
+    tq_rows(std::uint8_t const* const* r, int head_dim) noexcept
+        : rows(r), d(head_dim), scale_bytes(detail::tq_scale_bytes(head_dim)) {
+      alignas(64) float t16[16];
+      for (int i = 0; i < (1 << B); ++i) centroid[i] = detail::tq_centroid(B, i);
+      for (int i = 0; i < 16; ++i) t16[i] = centroid[i % (1 << B)];
+      table = V::make_table16(t16);
+    }
+    /// The rotation block of channel c: the blocks follow the bits of d from the highest, so c's
+    /// block is the one of the highest bit where c and d differ.
+    int block_of(int c) const noexcept {
+      auto const ud = static_cast<unsigned>(d);
+      return std::popcount(ud >> std::bit_width(static_cast<unsigned>(c) ^ ud));
+    }
+    float scale(int t, int c) const noexcept { return scale_at(rows[t] + 2 * block_of(c)); }
+    prep prepare(int t, int c) const noexcept { return {V::template scale_symmetric<B>(table, V::set1(scale(t, c)))}; }
+    vf load(int t, int c, prep const& pr) const noexcept {
+      return V::template lookup_symmetric<B>(pr.scaled, V::template stream_codes<B>(rows[t] + scale_bytes, c));
+    }
+    float at(int t, int c) const noexcept {
+      return detail::mul_rn(centroid[detail::tq_code(B, rows[t], d, c)], scale(t, c));
+    }
+  };
+
   /// Per-tile memory of the loaders: row pointers.
   struct tile_rows {
     std::uint8_t const* rows[T];
@@ -370,6 +421,13 @@ struct simd_attention {
     } else if constexpr (simd::kivi_value_traits<C>::value) {
       if constexpr (C::group == 32 && 32 % W == 0)
         f(kivi_value_rows<C::bits>{tr.rows, C::group_channels(d)});
+      else
+        decoded<C>(src, p, d, t, m, tr, buffer, f);
+    } else if constexpr (simd::tq_codebook_traits<C>::value) {
+      // A head_dim with a rotation block smaller than W (d % W != 0: d = 40 on AVX-512) would
+      // leave its last channels to at(), element by element: decoded rows instead.
+      if (d % W == 0)
+        f(tq_rows<C::bits>{tr.rows, d});
       else
         decoded<C>(src, p, d, t, m, tr, buffer, f);
     } else {  // codecs without a loader (mxfp4, nvfp4, ...): decoded rows
@@ -427,7 +485,7 @@ struct simd_attention {
     float const* qh = q + static_cast<std::ptrdiff_t>(h0) * d;
     int tj[std::size_t{NT}];
     for (int j = 0; j < NT; ++j) tj[j] = t0 + (j < nt ? j : 0);
-    auto const step = [&](int c, auto const* pr) {
+    auto const step = [&](int c, auto const* pr) KVQ_CPU_ALWAYS_INLINE {
       vf kv[std::size_t{NT}];
       for (int j = 0; j < NT; ++j) kv[j] = k.load(tj[j], c, pr[j]);
       for (int i = 0; i < NH; ++i) {

@@ -153,7 +153,7 @@ struct ops {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
   }
 
-  // Packed b-bit codes, LSB first: 8 codes -> B bytes.
+  // Packed b-bit codes, LSB first: 8 codes -> B bytes (B = 2, 3, 4, 8).
   template <int B>
   static void store_codes(std::uint8_t* p, vi q) noexcept {
     __m128i const b = narrow_u8(q);  // 8 codes as bytes
@@ -163,6 +163,12 @@ struct ops {
       __m128i const pairs = _mm_maddubs_epi16(b, _mm_set1_epi16(0x1001));  // c0 + 16 c1 per 16 bits
       std::uint32_t const w = static_cast<std::uint32_t>(_mm_cvtsi128_si32(_mm_packus_epi16(pairs, pairs)));
       std::memcpy(p, &w, 4);
+    } else if constexpr (B == 3) {
+      __m128i const pairs = _mm_maddubs_epi16(b, _mm_set1_epi16(0x0801));       // c0 + 8 c1
+      __m128i const quads = _mm_madd_epi16(pairs, _mm_set1_epi32(0x00400001));  // + 64 (c2 + 8 c3): 12 bits
+      auto const w = static_cast<std::uint64_t>(_mm_cvtsi128_si64(quads));
+      std::uint32_t const t = static_cast<std::uint32_t>((w & 0xfffu) | (w >> 20));  // q0 + 2^12 q1: 24 bits
+      std::memcpy(p, &t, 3);
     } else {
       __m128i const pairs = _mm_maddubs_epi16(b, _mm_set1_epi16(0x0401));       // c0 + 4 c1
       __m128i const quads = _mm_madd_epi16(pairs, _mm_set1_epi32(0x00100001));  // + 16 (c2 + 4 c3)
@@ -192,6 +198,90 @@ struct ops {
   static vi gather_u32(std::uint8_t const* base, int stride) noexcept {
     __m256i const idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
     return _mm256_i32gather_epi32(reinterpret_cast<int const*>(base), idx, 1);
+  }
+
+  // Rotation (FORMATS.md §6.1): one butterfly stage of stride H < W inside the vector, and signs.
+  /// Lane l with (l & H) == 0: v[l] + v[l + H]; other lanes: v[l - H] - v[l] (each one rounding).
+  template <int H>
+  static vf butterfly(vf v) noexcept {
+    vf p;
+    if constexpr (H == 1)
+      p = _mm256_permute_ps(v, 0xb1);
+    else if constexpr (H == 2)
+      p = _mm256_permute_ps(v, 0x4e);
+    else
+      p = _mm256_permute2f128_ps(v, v, 0x01);
+    return _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), H == 1 ? 0xaa : H == 2 ? 0xcc : 0xf0);
+  }
+  /// v with the sign of lane l flipped where bit l of `bits` is set.
+  static vf flip_signs(vf v, std::uint64_t bits) noexcept {
+    __m256i const m = _mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(bits & 0xffu)),
+                                        _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24));
+    return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_and_si256(m, _mm256_set1_epi32(INT32_MIN))));
+  }
+
+  // Codebooks (tq): a table of 16 floats, looked up by the low 4 bits of each lane.
+  struct table16 {
+    __m256 lo, hi, mirror;  // t[0 .. 8), t[8 .. 16), t[15 - j] for j < 8
+  };
+  static table16 make_table16(float const* t) noexcept {
+    alignas(32) float m[8];
+    for (int j = 0; j < 8; ++j) m[j] = t[15 - j];
+    return {_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8), _mm256_load_ps(m)};
+  }
+  /// Lane l = t[idx_l mod 2^B], for a table with t[i] = t[i mod 2^B] (bits of idx above B ignored).
+  template <int B>
+  static vf lookup(table16 const& t, vi idx) noexcept {
+    vf const lo = _mm256_permutevar8x32_ps(t.lo, idx);
+    if constexpr (B <= 3) {
+      return lo;
+    } else {  // bit 3 of the index picks the upper half
+      vf const hi = _mm256_permutevar8x32_ps(t.hi, idx);
+      return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+    }
+  }
+  /// lookup for a table symmetric about its middle (t[2^B - 1 - i] = -t[i], as the tq codebooks):
+  /// at B = 4 one permute, t[i] = m[(i ^ 15) & 7] for i >= 8 and -m[i & 7] for i < 8 with
+  /// m[j] = t[15 - j].
+  template <int B>
+  static vf lookup_symmetric(table16 const& t, vi idx) noexcept {
+    if constexpr (B <= 3) {
+      return _mm256_permutevar8x32_ps(t.lo, idx);
+    } else {
+      __m256i const s = _mm256_slli_epi32(idx, 28);  // bit 3 of the index at bit 31
+      __m256 const m = _mm256_permutevar8x32_ps(t.mirror, _mm256_xor_si256(idx, _mm256_srai_epi32(s, 31)));
+      return _mm256_xor_ps(m, _mm256_castsi256_ps(_mm256_andnot_si256(s, _mm256_set1_epi32(INT32_MIN))));
+    }
+  }
+  /// The table whose lookup_symmetric<B> gives t[i] * g (each product rounded once; NaN signs aside).
+  template <int B>
+  static table16 scale_symmetric(table16 const& t, vf g) noexcept {
+    if constexpr (B <= 3)
+      return {_mm256_mul_ps(t.lo, g), t.hi, t.mirror};
+    else
+      return {t.lo, t.hi, _mm256_mul_ps(t.mirror, g)};
+  }
+  /// The B-bit codes of coordinates c .. c + 7 (c a multiple of 8) of an LSB-first bit stream at
+  /// `codes`, in the low B bits of the lanes (the bits above are not cleared). Reads their B bytes
+  /// and, for B < 4, the 4 - B bytes before them (which the caller's buffer must hold).
+  template <int B>
+  static vi stream_codes(std::uint8_t const* codes, int c) noexcept {
+    std::uint8_t const* p = codes + B * c / 8;
+    if constexpr (B == 2) {
+      std::uint32_t w;
+      std::memcpy(&w, p - 2, 4);
+      return _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)),
+                               _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30));
+    } else if constexpr (B == 3) {
+      std::uint32_t w;
+      std::memcpy(&w, p - 1, 4);
+      return _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)),
+                               _mm256_setr_epi32(8, 11, 14, 17, 20, 23, 26, 29));
+    } else {
+      std::uint32_t w;
+      std::memcpy(&w, p, 4);
+      return _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    }
   }
 
   // Attention (attention_kernels.hpp): compared with the reference within a tolerance, so

@@ -175,7 +175,7 @@ struct ops {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
   }
 
-  // Packed b-bit codes, LSB first: 16 codes -> 2 * B bytes.
+  // Packed b-bit codes, LSB first: 16 codes -> 2 * B bytes (B = 2, 3, 4, 8).
   template <int B>
   static void store_codes(std::uint8_t* p, vi q) noexcept {
     __m128i const b = _mm512_cvtepi32_epi8(q);  // 16 codes as bytes
@@ -184,6 +184,13 @@ struct ops {
     } else if constexpr (B == 4) {
       __m128i const pairs = _mm_maddubs_epi16(b, _mm_set1_epi16(0x1001));  // c0 + 16 c1 per 16 bits
       _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(pairs, pairs));
+    } else if constexpr (B == 3) {
+      __m128i const pairs = _mm_maddubs_epi16(b, _mm_set1_epi16(0x0801));       // c0 + 8 c1
+      __m128i const quads = _mm_madd_epi16(pairs, _mm_set1_epi32(0x00400001));  // + 64 (c2 + 8 c3): 12 bits
+      // Per 64 bits: q0 + 2^12 q1 (24 bits), then the upper 24 bits moved next to the lower.
+      __m128i const six = _mm_or_si128(_mm_and_si128(quads, _mm_set1_epi64x(0xfff)), _mm_srli_epi64(quads, 20));
+      std::uint64_t const w = static_cast<std::uint64_t>(_mm_cvtsi128_si64(_mm_or_si128(six, _mm_srli_si128(six, 5))));
+      std::memcpy(p, &w, 6);
     } else {
       __m128i const pairs = _mm_maddubs_epi16(b, _mm_set1_epi16(0x0401));       // c0 + 4 c1
       __m128i const quads = _mm_madd_epi16(pairs, _mm_set1_epi32(0x00100001));  // + 16 (c2 + 4 c3)
@@ -217,6 +224,68 @@ struct ops {
     return _mm512_i32gather_epi32(idx, base, 1);
   }
   KVQ_AVX512_IMM_END
+
+  // Rotation (FORMATS.md §6.1): one butterfly stage of stride H < W inside the vector, and signs.
+  /// Lane l with (l & H) == 0: v[l] + v[l + H]; other lanes: v[l - H] - v[l] (each one rounding).
+  template <int H>
+  static vf butterfly(vf v) noexcept {
+    vf p;
+    if constexpr (H == 1)
+      p = _mm512_permute_ps(v, 0xb1);
+    else if constexpr (H == 2)
+      p = _mm512_permute_ps(v, 0x4e);
+    else if constexpr (H == 4)
+      p = _mm512_shuffle_f32x4(v, v, 0xb1);
+    else
+      p = _mm512_shuffle_f32x4(v, v, 0x4e);
+    constexpr vm upper = H == 1 ? 0xaaaa : H == 2 ? 0xcccc : H == 4 ? 0xf0f0 : 0xff00;
+    return _mm512_mask_sub_ps(_mm512_add_ps(v, p), upper, p, v);
+  }
+  /// v with the sign of lane l flipped where bit l of `bits` is set.
+  static vf flip_signs(vf v, std::uint64_t bits) noexcept {
+    return _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(v), static_cast<vm>(bits & 0xffffu),
+                                                     _mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
+  }
+
+  // Codebooks (tq): a table of 16 floats, looked up by the low 4 bits of each lane.
+  using table16 = __m512;
+  static table16 make_table16(float const* t) noexcept { return _mm512_loadu_ps(t); }
+  /// Lane l = t[idx_l mod 2^B], for a table with t[i] = t[i mod 2^B] (bits of idx above B ignored).
+  template <int B>
+  static vf lookup(table16 t, vi idx) noexcept {
+    return _mm512_permutexvar_ps(idx, t);
+  }
+  /// lookup for a table symmetric about its middle (t[2^B - 1 - i] = -t[i], as the tq codebooks).
+  template <int B>
+  static vf lookup_symmetric(table16 t, vi idx) noexcept {
+    return _mm512_permutexvar_ps(idx, t);
+  }
+  /// The table whose lookup_symmetric<B> gives t[i] * g (each product rounded once; NaN signs aside).
+  template <int B>
+  static table16 scale_symmetric(table16 t, vf g) noexcept {
+    return _mm512_mul_ps(t, g);
+  }
+  /// The B-bit codes of coordinates c .. c + 15 (c a multiple of 16) of an LSB-first bit stream at
+  /// `codes`, in the low B bits of the lanes (the bits above are not cleared). Reads only their
+  /// 2 B bytes.
+  template <int B>
+  static vi stream_codes(std::uint8_t const* codes, int c) noexcept {
+    std::uint8_t const* p = codes + B * c / 8;
+    std::uint32_t lo, hi = 0;
+    std::memcpy(&lo, p, 4);
+    if constexpr (B == 2) {
+      return _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(lo)),
+                               _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+    } else if constexpr (B == 3) {  // bytes 0-3 for codes 0-7 (bits 0-23), bytes 2-5 for codes 8-15 (bits 8-31)
+      std::memcpy(&hi, p + 2, 4);
+      __m512i const w = _mm512_mask_set1_epi32(_mm512_set1_epi32(static_cast<int>(lo)), 0xff00, static_cast<int>(hi));
+      return _mm512_srlv_epi32(w, _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 8, 11, 14, 17, 20, 23, 26, 29));
+    } else {
+      std::memcpy(&hi, p + 4, 4);
+      __m512i const w = _mm512_mask_set1_epi32(_mm512_set1_epi32(static_cast<int>(lo)), 0xff00, static_cast<int>(hi));
+      return _mm512_srlv_epi32(w, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
+    }
+  }
 
   // Attention (attention_kernels.hpp): compared with the reference within a tolerance, so
   // contraction is allowed here.

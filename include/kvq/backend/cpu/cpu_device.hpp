@@ -223,6 +223,8 @@ class cpu_device {
   static void gather(kvq_write_args const& a, std::byte* layer, void const* input, int h, int i0, int n, float* out,
                      f16* half, row_rotation const* rot) {
     int const d = a.head_dim;
+    // The rows are all read first (their loads overlap), then the input rows rotated and rounded.
+    int const first_input = static_cast<int>(std::clamp<std::int64_t>(a.src.from_residual - i0, 0, n));
     for (int k = 0; k < n; ++k) {
       int const i = i0 + k;
       float* y = out + static_cast<std::ptrdiff_t>(k) * d;
@@ -241,13 +243,16 @@ class cpu_device {
       } else {
         cpu_kernels::convert_to_f32(static_cast<bf16 const*>(input) + at, y, d);
       }
-      if (rot != nullptr) rot->forward(y);
-      if (a.src.round_f16 != 0) {  // as stored in the f16 residual: finite beyond ±65504 -> ±65504, not Inf
+    }
+    float* const rows = out + static_cast<std::ptrdiff_t>(first_input) * d;
+    if (rot != nullptr) rot->forward_rows(rows, n - first_input, d);  // residual rows are stored rotated
+    if (a.src.round_f16 != 0)  // as stored in the f16 residual: finite beyond ±65504 -> ±65504, not Inf
+      for (int k = first_input; k < n; ++k) {
+        float* y = out + static_cast<std::ptrdiff_t>(k) * d;
         saturate_to_f16_range(y, d);
         cpu_kernels::convert_from_f32(y, half, d);
         cpu_kernels::convert_to_f32(half, y, d);
       }
-    }
   }
 
   kvq::memory_resource* memory_;

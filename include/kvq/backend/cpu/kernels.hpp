@@ -1,5 +1,6 @@
 // kvq: the CPU kernels the cache calls — encode/decode of rows and KIVI key tiles, element
-// conversions — dispatched at compile time to the best instruction set the flags allow.
+// conversions, the rotation R of the rotated codecs — dispatched at compile time to the best
+// instruction set the flags allow.
 //
 //   kvq::cpu_kernels::scalar  the reference (always compiled)
 //   kvq::cpu_kernels::avx2    AVX2 + FMA + F16C            (avx2.hpp; also compiled in AVX-512 builds)
@@ -95,6 +96,21 @@ template <token_group_codec C>
 void decode_tile_tokens(std::uint8_t const* tile, int head_dim, int first_token, int count, float* y,
                         std::ptrdiff_t y_stride, typename C::params_type const& p = {}) noexcept {
   best::decode_tile_tokens<C>(tile, head_dim, first_token, count, y, y_stride, p);
+}
+
+/// x <- R x (FORMATS.md §6.1) for `rows` rows x + r * stride of head_dim floats, R given by its
+/// sign words (detail::rotation_sign_words): bit-identical to detail::rotate_forward_signs, NaN
+/// payloads aside (which the reference's own compilation does not fix either).
+inline void rotate_forward_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,
+                                std::uint64_t const* words) noexcept {
+  best::rotate_forward_rows(x, rows, stride, head_dim, words);
+}
+
+/// x <- R^T x for `rows` rows x + r * stride of head_dim floats: bit-identical to
+/// detail::rotate_inverse_signs (NaN payloads aside).
+inline void rotate_inverse_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,
+                                std::uint64_t const* words) noexcept {
+  best::rotate_inverse_rows(x, rows, stride, head_dim, words);
 }
 
 /// Widens n float, f16 or bf16 elements to float (exact; f16 NaNs keep their payload).

@@ -177,6 +177,70 @@ struct ops {
     return vld1q_s32(w);
   }
 
+  // Rotation (FORMATS.md §6.1): one butterfly stage of stride H < W inside the vector, and signs.
+  /// Lane l with (l & H) == 0: v[l] + v[l + H]; other lanes: v[l - H] - v[l] (each one rounding).
+  template <int H>
+  static vf butterfly(vf v) noexcept {
+    if constexpr (H == 1) {
+      vf const p = vrev64q_f32(v);
+      return vtrn1q_f32(vaddq_f32(v, p), vsubq_f32(v, p));
+    } else {
+      float32x2_t const lo = vget_low_f32(v), hi = vget_high_f32(v);
+      return vcombine_f32(vadd_f32(lo, hi), vsub_f32(lo, hi));
+    }
+  }
+  /// v with the sign of lane l flipped where bit l of `bits` is set.
+  static vf flip_signs(vf v, std::uint64_t bits) noexcept {
+    static constexpr std::uint32_t lane_bit[4] = {1, 2, 4, 8};
+    uint32x4_t const m = vtstq_u32(vdupq_n_u32(static_cast<std::uint32_t>(bits & 0xfu)), vld1q_u32(lane_bit));
+    return vreinterpretq_f32_u32(veorq_u32(vreinterpretq_u32_f32(v), vandq_u32(m, vdupq_n_u32(0x80000000u))));
+  }
+
+  // Codebooks (tq): a table of 16 floats as 64 bytes, looked up by byte (TBL).
+  using table16 = uint8x16x4_t;
+  static table16 make_table16(float const* t) noexcept { return vld1q_u8_x4(reinterpret_cast<std::uint8_t const*>(t)); }
+  /// Lane l = t[idx_l mod 2^B], for a table with t[i] = t[i mod 2^B] (bits of idx above B ignored).
+  template <int B>
+  static vf lookup(table16 const& t, vi idx) noexcept {
+    uint32x4_t const code = vandq_u32(vreinterpretq_u32_s32(idx), vdupq_n_u32((1u << B) - 1u));
+    // Byte k of lane l: 4 code + k.
+    uint8x16_t const at = vreinterpretq_u8_u32(vmlaq_u32(vdupq_n_u32(0x03020100u), code, vdupq_n_u32(0x04040404u)));
+    uint8x16_t r;
+    if constexpr (B == 2) {
+      r = vqtbl1q_u8(t.val[0], at);
+    } else if constexpr (B == 3) {
+      uint8x16x2_t const t2 = {{t.val[0], t.val[1]}};
+      r = vqtbl2q_u8(t2, at);
+    } else {
+      r = vqtbl4q_u8(t, at);
+    }
+    return vreinterpretq_f32_u8(r);
+  }
+  /// lookup for a table symmetric about its middle (t[2^B - 1 - i] = -t[i], as the tq codebooks).
+  template <int B>
+  static vf lookup_symmetric(table16 const& t, vi idx) noexcept {
+    return lookup<B>(t, idx);
+  }
+  /// The table whose lookup_symmetric<B> gives t[i] * g (each product rounded once; NaN signs aside).
+  template <int B>
+  static table16 scale_symmetric(table16 const& t, vf g) noexcept {
+    table16 r = t;
+    for (int k = 0; k < (1 << B) / 4; ++k)
+      r.val[k] = vreinterpretq_u8_f32(vmulq_f32(vreinterpretq_f32_u8(t.val[k]), g));
+    return r;
+  }
+  /// The B-bit codes of coordinates c .. c + 3 (c a multiple of 4) of an LSB-first bit stream at
+  /// `codes`, in the low B bits of the lanes (the bits above are not cleared). Reads only the bytes
+  /// holding them.
+  template <int B>
+  static vi stream_codes(std::uint8_t const* codes, int c) noexcept {
+    int const bit = B * c;
+    std::uint32_t w = 0;
+    std::memcpy(&w, codes + bit / 8, static_cast<std::size_t>((B * 4 + bit % 8 + 7) / 8));
+    static constexpr std::int32_t shift[4] = {0, -B, -2 * B, -3 * B};
+    return vreinterpretq_s32_u32(vshlq_u32(vdupq_n_u32(w >> (bit % 8)), vld1q_s32(shift)));
+  }
+
   // Attention (attention_kernels.hpp): compared with the reference within a tolerance, so
   // contraction is allowed here.
   static vf fma(vf a, vf b, vf c) noexcept { return vfmaq_f32(c, a, b); }

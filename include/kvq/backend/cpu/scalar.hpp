@@ -12,6 +12,7 @@
 
 #include "../../codec/codec.hpp"
 #include "../../detail/numeric.h"
+#include "../../detail/rotation.h"
 
 KVQ_NAMESPACE_BEGIN
 namespace cpu_kernels {
@@ -54,6 +55,19 @@ template <token_group_codec C>
 void decode_tile_tokens(std::uint8_t const* tile, int head_dim, int first_token, int count, float* y,
                         std::ptrdiff_t y_stride, typename C::params_type const& p = {}) noexcept {
   for (int t = 0; t < count; ++t) C::decode_token(tile, head_dim, first_token + t, y + t * y_stride, p);
+}
+
+/// x <- R x (FORMATS.md §6.1) for `rows` rows x + r * stride of head_dim floats, R given by its
+/// sign words (detail::rotation_sign_words).
+inline void rotate_forward_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,
+                                std::uint64_t const* words) noexcept {
+  for (std::int64_t r = 0; r < rows; ++r) detail::rotate_forward_signs(x + r * stride, head_dim, words);
+}
+
+/// x <- R^T x for `rows` rows x + r * stride of head_dim floats.
+inline void rotate_inverse_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,
+                                std::uint64_t const* words) noexcept {
+  for (std::int64_t r = 0; r < rows; ++r) detail::rotate_inverse_signs(x + r * stride, head_dim, words);
 }
 
 /// Widens n elements to float (exact).

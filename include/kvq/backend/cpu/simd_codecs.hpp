@@ -31,6 +31,8 @@
 #include "../../codec/passthrough.hpp"
 #include "../../codec/q4_0.hpp"
 #include "../../codec/q8_0.hpp"
+#include "../../codec/tq_codebook.hpp"
+#include "../../detail/rotation.h"
 #include "scalar.hpp"
 
 KVQ_NAMESPACE_BEGIN
@@ -48,6 +50,12 @@ template <class C>
 struct kivi_key_traits : std::false_type {};
 template <int Bits, int G>
 struct kivi_key_traits<kivi_key<Bits, G>> : std::true_type {};
+
+/// Recognises detail::tq_codebook<B>.
+template <class C>
+struct tq_codebook_traits : std::false_type {};
+template <int B>
+struct tq_codebook_traits<detail::tq_codebook<B>> : std::true_type {};
 
 /// Codec kernels over the vector policy V.
 template <class V>
@@ -746,6 +754,292 @@ struct simd_codecs {
   }
 
   // ---------------------------------------------------------------------------------------------
+  // The rotation R (FORMATS.md §6.1)
+  //
+  // Every element goes through the reference's operations in the reference's order: its sign, the
+  // butterfly stages h = 1, 2, 4, ... (strides below W inside a vector, V::butterfly; the others
+  // between whole vectors), each a rounded add or subtract with the reference's operands, then the
+  // product by c_n (V::mul, opaque: nothing can be fused with it). Blocks smaller than W run the
+  // reference's loops.
+
+  /// The sign bits of channels i .. i + W - 1 (i a multiple of W) in the low bits.
+  static std::uint64_t sign_bits(std::uint64_t const* words, int i) noexcept { return words[i / 64] >> (i % 64); }
+
+  /// The butterfly stages of strides 1 .. W / 2 of one vector.
+  static vf butterflies_in_vector(vf v) noexcept {
+    if constexpr (W >= 2) v = V::template butterfly<1>(v);
+    if constexpr (W >= 4) v = V::template butterfly<2>(v);
+    if constexpr (W >= 8) v = V::template butterfly<4>(v);
+    if constexpr (W >= 16) v = V::template butterfly<8>(v);
+    return v;
+  }
+
+  /// The butterfly stages of strides W .. (NV / 2) W between the vectors v[0 .. NV).
+  template <int NV>
+  static void butterflies_across(vf* v) noexcept {
+    for (int hv = 1; hv < NV; hv *= 2)
+      for (int j = 0; j < NV; ++j)
+        if ((j & hv) == 0) {
+          vf const a = v[j], b = v[j + hv];
+          v[j] = V::add(a, b);
+          v[j + hv] = V::sub(a, b);
+        }
+  }
+
+  /// Rotates the block x: (NV W), channel i0 of the row, in registers (NV <= 16).
+  template <bool Inverse, int NV>
+  static void rotate_block_in_registers(float* x, int i0, std::uint64_t const* words, float c) noexcept {
+    vf v[std::size_t{NV}];
+    for (int j = 0; j < NV; ++j) {
+      v[j] = V::load(x + j * W);
+      if constexpr (!Inverse) v[j] = V::flip_signs(v[j], sign_bits(words, i0 + j * W));
+      v[j] = butterflies_in_vector(v[j]);
+    }
+    butterflies_across<NV>(v);
+    vf const cv = V::set1(c);
+    for (int j = 0; j < NV; ++j) {
+      vf y = V::mul(v[j], cv);
+      if constexpr (Inverse) y = V::flip_signs(y, sign_bits(words, i0 + j * W));
+      V::store(x + j * W, y);
+    }
+  }
+
+  /// Rotates the block x: (n), n > 16 W, channel i0 of the row: the stages up to stride 8 W in
+  /// registers 16 vectors at a time, then one pass over memory per larger stride.
+  template <bool Inverse>
+  static void rotate_block_in_memory(float* x, int n, int i0, std::uint64_t const* words, float c) noexcept {
+    int const nv = n / W;
+    for (int g = 0; g < nv; g += 16) {
+      vf v[16];
+      for (int j = 0; j < 16; ++j) {
+        v[j] = V::load(x + (g + j) * W);
+        if constexpr (!Inverse) v[j] = V::flip_signs(v[j], sign_bits(words, i0 + (g + j) * W));
+        v[j] = butterflies_in_vector(v[j]);
+      }
+      butterflies_across<16>(v);
+      for (int j = 0; j < 16; ++j) V::store(x + (g + j) * W, v[j]);
+    }
+    for (int hv = 16; hv < nv; hv *= 2)
+      for (int j = 0; j < nv; ++j)
+        if ((j & hv) == 0) {
+          vf const a = V::load(x + j * W), b = V::load(x + (j + hv) * W);
+          V::store(x + j * W, V::add(a, b));
+          V::store(x + (j + hv) * W, V::sub(a, b));
+        }
+    vf const cv = V::set1(c);
+    for (int j = 0; j < nv; ++j) {
+      vf y = V::mul(V::load(x + j * W), cv);
+      if constexpr (Inverse) y = V::flip_signs(y, sign_bits(words, i0 + j * W));
+      V::store(x + j * W, y);
+    }
+  }
+
+  /// R x (Inverse: R^T x) of one row x: (head_dim) in place.
+  template <bool Inverse>
+  static void rotate_row(float* x, int head_dim, std::uint64_t const* words) noexcept {
+    for (int o = 0; o < head_dim;) {
+      int const n = detail::rotation_block_size(head_dim, o);
+      float const c = detail::rotation_scale(n);
+      float* const b = x + o;
+      if (n == W) {
+        rotate_block_in_registers<Inverse, 1>(b, o, words, c);
+      } else if (n == 2 * W) {
+        rotate_block_in_registers<Inverse, 2>(b, o, words, c);
+      } else if (n == 4 * W) {
+        rotate_block_in_registers<Inverse, 4>(b, o, words, c);
+      } else if (n == 8 * W) {
+        rotate_block_in_registers<Inverse, 8>(b, o, words, c);
+      } else if (n == 16 * W) {
+        rotate_block_in_registers<Inverse, 16>(b, o, words, c);
+      } else if (n > 16 * W) {
+        rotate_block_in_memory<Inverse>(b, n, o, words, c);
+      } else {  // a block smaller than a vector: the reference's loops
+        if constexpr (!Inverse)
+          for (int i = 0; i < n; ++i) b[i] = detail::rotation_apply_sign(b[i], words[(o + i) / 64], (o + i) % 64);
+        detail::rotation_butterflies(b, n);
+        for (int i = 0; i < n; ++i) b[i] = detail::mul_rn(b[i], c);
+        if constexpr (Inverse)
+          for (int i = 0; i < n; ++i) b[i] = detail::rotation_apply_sign(b[i], words[(o + i) / 64], (o + i) % 64);
+      }
+      o += n;
+    }
+  }
+
+  template <bool Inverse>
+  static void rotate_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,
+                          std::uint64_t const* words) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) rotate_row<Inverse>(x + r * stride, head_dim, words);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // tq codebooks (tq_codebook<B>, FORMATS.md §6.2 steps 2-8)
+  //
+  // Encoding: the 32 partial sums of squares are 32 / W vectors (products rounded, then added, in
+  // the reference's order), reduced by the reference's tree; each z = y * k is a rounded product;
+  // its code, the number of boundaries below it, is found by a binary search over the sorted
+  // boundaries (a table lookup per step), which counts the same boundaries as the reference's
+  // linear scan; the centroid norm is summed as the squares. Blocks smaller than W run the
+  // reference's block function.
+
+  /// The codebook tables of B bits as the policy's 16-entry tables.
+  template <int B>
+  struct tq_tables {
+    static constexpr int levels = 1 << B;
+    float centroid[16];
+    float boundary[15];
+    typename V::table16 centroids;  // t[i] = c[i mod 2^B]
+    typename V::table16 above;      // t[i] = the boundary below code i: t_(i-1) (t[0] unused)
+    tq_tables() noexcept {
+      detail::tq_tables(B, centroid, boundary);
+      alignas(64) float c16[16], b16[16];
+      for (int i = 0; i < 16; ++i) {
+        int const k = i % levels;
+        c16[i] = centroid[k];
+        b16[i] = k == 0 ? 0.0f : boundary[k - 1];
+      }
+      centroids = V::make_table16(c16);
+      above = V::make_table16(b16);
+    }
+  };
+
+  /// The codes of z: the number of boundaries t_j < z (NaN: 0), by binary search.
+  template <int B>
+  static vi tq_codes_of(tq_tables<B> const& t, vf z) noexcept {
+    vi code = V::set1_i(0);
+    auto const step = [&](int s) {
+      vi const cand = V::add_i(code, V::set1_i(s));
+      code = V::select_i(V::gt_f(z, V::template lookup<B>(t.above, cand)), cand, code);
+    };
+    if constexpr (B >= 4) step(8);
+    if constexpr (B >= 3) step(4);
+    step(2);
+    step(1);
+    return code;
+  }
+
+  /// Writes the W codes of coordinates c .. c + W - 1 (c a multiple of W) into the zeroed bit stream.
+  template <int B>
+  static void tq_put_codes(u8* codes, int c, vi q) noexcept {
+    if constexpr (B != 3 || W >= 8) {
+      V::template store_codes<B>(codes + B * c / 8, q);
+    } else {
+      alignas(64) std::int32_t t[std::size_t{W}];
+      V::store_i(t, q);
+      for (int g = 0; g < W; g += 4) {  // 4 codes, 12 bits
+        auto const w = static_cast<std::uint32_t>(t[g] | (t[g + 1] << 3) | (t[g + 2] << 6) | (t[g + 3] << 9));
+        int const bit = 3 * (c + g);
+        std::uint32_t const sh = w << (bit % 8);
+        codes[bit / 8] = static_cast<u8>(codes[bit / 8] | (sh & 0xffu));
+        codes[bit / 8 + 1] = static_cast<u8>(codes[bit / 8 + 1] | ((sh >> 8) & 0xffu));
+      }
+    }
+  }
+
+  /// The 32 partial sums p (32 / W vectors, partial l at lane l % W of p[l / W]) reduced by the
+  /// reference's tree: p_l += p_(l + w) for l < w, w = 16, 8, 4, 2, 1 (between vectors while
+  /// w >= W, then the lower lanes of butterfly stages, whose lane l < w is p_l + p_(l + w)).
+  static float tq_reduce(vf const* p) noexcept {
+    vf q[std::size_t{32 / W}];
+    for (int j = 0; j < 32 / W; ++j) q[j] = p[j];
+    for (int n = 32 / W; n > 1; n /= 2)
+      for (int j = 0; j < n / 2; ++j) q[j] = V::add(q[j], q[j + n / 2]);
+    vf v = q[0];
+    if constexpr (W >= 16) v = V::template butterfly<8>(v);
+    if constexpr (W >= 8) v = V::template butterfly<4>(v);
+    if constexpr (W >= 4) v = V::template butterfly<2>(v);
+    if constexpr (W >= 2) v = V::template butterfly<1>(v);
+    alignas(64) float lane[std::size_t{W}];
+    V::store(lane, v);
+    return lane[0];
+  }
+
+  /// Encodes the finite block y: (n), n >= W, coordinate `offset` of the row; returns its scale.
+  template <int B>
+  static u16 tq_encode_block(tq_tables<B> const& t, float const* y, int offset, int n, u8* codes) noexcept {
+    constexpr int P = 32 / W;  // partial-sum vectors
+    vf p[std::size_t{P}];
+    for (int j = 0; j < P; ++j) p[j] = V::set1(0.0f);
+    for (int i0 = 0; i0 < n; i0 += 32)
+      for (int j = 0; j < P; ++j)
+        if (i0 + j * W < n) {  // (a block of 16 or 8 channels fills only the first vectors)
+          vf const v = V::load(y + i0 + j * W);
+          p[j] = V::add(p[j], V::mul(v, v));
+        }
+    float const nu = detail::tq_sqrt(tq_reduce(p));
+    if (nu == 0.0f) return 0;
+    vf const k = V::set1(detail::div_rn(detail::tq_sqrt(static_cast<float>(n)), nu));
+    for (int j = 0; j < P; ++j) p[j] = V::set1(0.0f);
+    for (int i0 = 0; i0 < n; i0 += 32)
+      for (int j = 0; j < P; ++j)
+        if (i0 + j * W < n) {
+          int const i = i0 + j * W;
+          vi const q = tq_codes_of<B>(t, V::mul(V::load(y + i), k));
+          tq_put_codes<B>(codes, offset + i, q);
+          vf const c = V::template lookup_symmetric<B>(t.centroids, q);
+          p[j] = V::add(p[j], V::mul(c, c));
+        }
+    float const rho = detail::tq_sqrt(tq_reduce(p));
+    return detail::f32_to_f16_bits(detail::div_rn(nu, rho));
+  }
+
+  template <int B>
+  static void tq_encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst,
+                             std::size_t ds) noexcept {
+    tq_tables<B> const t;
+    int const blocks = detail::rotation_block_count(hd);
+    int const code_bytes = (B * hd + 7) / 8;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float const* y = x + r * xs;
+      u8* const row = dst + static_cast<std::size_t>(r) * ds;
+      u8* const codes = row + 2 * blocks;
+      std::memset(codes, 0, static_cast<std::size_t>(code_bytes));
+      vm bad = V::mask_false();
+      int i = 0;
+      for (; i + W <= hd; i += W) bad = V::mask_or(bad, nonfinite(V::load(y + i)));
+      bool finite = !V::any(bad);
+      for (; i < hd; ++i) finite = finite && detail::is_finite_f32(y[i]);
+      if (!finite) {
+        for (int b = 0; b < blocks; ++b) detail::tq_set_scale_bits(row, b, detail::tq_poisoned_scale);
+        continue;
+      }
+      int block = 0;
+      for (int o = 0; o < hd; ++block) {
+        int const n = detail::rotation_block_size(hd, o);
+        u16 const scale = n >= W ? tq_encode_block<B>(t, y + o, o, n, codes)
+                                 : detail::tq_encode_block(B, y + o, o, n, codes, t.centroid, t.boundary);
+        detail::tq_set_scale_bits(row, block, scale);
+        o += n;
+      }
+    }
+  }
+
+  template <int B>
+  static void tq_decode_rows(u8 const* src, std::size_t ss, std::int64_t rows, int hd, float* y,
+                             std::ptrdiff_t ys) noexcept {
+    tq_tables<B> const t;
+    int const sb = detail::tq_scale_bytes(hd);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      u8 const* const row = src + static_cast<std::size_t>(r) * ss;
+      float* const out = y + r * ys;
+      int block = 0;
+      for (int o = 0; o < hd; ++block) {
+        int const n = detail::rotation_block_size(hd, o);
+        float const g = detail::tq_block_scale(row, block);
+        if (n >= W) {
+          vf const gv = V::set1(g);
+          for (int i = o; i < o + n; i += W)
+            V::store(
+                out + i,
+                V::mul(V::template lookup_symmetric<B>(t.centroids, V::template stream_codes<B>(row + sb, i)), gv));
+        } else {
+          for (int i = o; i < o + n; ++i) out[i] = detail::mul_rn(t.centroid[detail::tq_code(B, row, hd, i)], g);
+        }
+        o += n;
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
   // Dispatch by codec
 
   /// True when C has a SIMD row kernel here.
@@ -753,7 +1047,7 @@ struct simd_codecs {
   static constexpr bool has_rows =
       std::is_same_v<C, f32_codec> || std::is_same_v<C, f16_codec> || std::is_same_v<C, q8_0> ||
       std::is_same_v<C, q4_0> || std::is_same_v<C, int8_sym> || std::is_same_v<C, fp8_e4m3> ||
-      std::is_same_v<C, fp8_e5m2> || kivi_value_traits<C>::value;
+      std::is_same_v<C, fp8_e5m2> || kivi_value_traits<C>::value || tq_codebook_traits<C>::value;
 
   template <row_codec C>
   static void encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst, std::size_t ds,
@@ -786,6 +1080,8 @@ struct simd_codecs {
       for (std::int64_t r = 0; r < rows; ++r) int8_encode_row(x + r * xs, hd, dst + static_cast<std::size_t>(r) * ds);
     } else if constexpr (kivi_value_traits<C>::value) {
       kivi_value_encode_rows<C::bits, C::group>(x, xs, rows, hd, dst, ds);
+    } else if constexpr (tq_codebook_traits<C>::value) {
+      tq_encode_rows<C::bits>(x, xs, rows, hd, dst, ds);
     } else {
       scalar::encode_rows<C>(x, xs, rows, hd, dst, ds, p);
     }
@@ -823,6 +1119,8 @@ struct simd_codecs {
     } else if constexpr (kivi_value_traits<C>::value) {
       for (std::int64_t r = 0; r < rows; ++r)
         kivi_value_decode_row<C::bits, C::group>(src + static_cast<std::size_t>(r) * ss, hd, y + r * ys);
+    } else if constexpr (tq_codebook_traits<C>::value) {
+      tq_decode_rows<C::bits>(src, ss, rows, hd, y, ys);
     } else {
       scalar::decode_rows<C>(src, ss, rows, hd, y, ys, p);
     }
@@ -904,4 +1202,12 @@ KVQ_NAMESPACE_END
   template <::kvq::cpu_kernels::cpu_element T>                                                                        \
   void convert_from_f32(float const* src, T* dst, std::int64_t n) noexcept {                                          \
     ::kvq::cpu_kernels::simd::simd_codecs<OPS>::convert_from_f32(src, dst, n);                                        \
+  }                                                                                                                   \
+  inline void rotate_forward_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,                   \
+                                  std::uint64_t const* words) noexcept {                                              \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template rotate_rows<false>(x, rows, stride, head_dim, words);        \
+  }                                                                                                                   \
+  inline void rotate_inverse_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,                   \
+                                  std::uint64_t const* words) noexcept {                                              \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template rotate_rows<true>(x, rows, stride, head_dim, words);         \
   }

@@ -1,0 +1,265 @@
+// kvq: the codebook codecs tq_codebook<B> (B = 2, 3, 4) of already rotated rows (FORMATS.md §6.2
+// steps 2-8); the public codecs tq2 / tq3 / tq4 (tq.hpp) wrap them with the rotation R.
+//
+// Per rotation block of size n: the norm nu = sqrtf(sum of y_i^2) (32 partial sums, reduced in a
+// fixed tree), z_i = y_i * (sqrtf(n) / nu), code_i = the number of boundaries t_j < z_i between the
+// Lloyd-Max centroids of a unit Gaussian (a value on a boundary takes the lower code), and the f16
+// scale g = nu / rho with rho the norm of the chosen centroids (norm correction). A block of zeros
+// stores scale +0 and codes 0. Decoding gives y^_i = c[code_i] * g, still in the rotated space. A
+// row holding a NaN or ±Inf stores the f16 NaN 0x7E00 as every scale and codes 0, and decodes to
+// NaN.
+//
+// Row layout: the little-endian f16 scales of the blocks in block order, then the B-bit codes of
+// all head_dim coordinates as one LSB-first bit stream (coordinate i at bit B*i), ceil(B*d/8)
+// bytes. At head_dim 128: 34 / 50 / 66 bytes for B = 2 / 3 / 4.
+//
+// The detail functions are host and CUDA code (C++14 subset), for the SIMD and GPU kernels. This
+// header does not depend on rotated.hpp, so the CPU kernels (backend/cpu) can include it.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "../detail/numeric.h"
+#include "../detail/rotation.h"
+#include "codec.hpp"
+
+KVQ_NAMESPACE_BEGIN
+namespace detail {
+
+/// The f16 scale of every block of a row that holds a NaN or ±Inf.
+KVQ_CONSTEXPR_VAR u16 tq_poisoned_scale = 0x7e00u;
+
+/// fl32(sqrt(x)), correctly rounded on every backend.
+KVQ_HOST_DEVICE float tq_sqrt(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+
+/// Bits of the j-th positive centroid (ascending, 0 <= j < 2^(bits-1)) of the bits-bit codebook.
+KVQ_HOST_DEVICE u32 tq_positive_centroid_bits(int bits, int j) {
+  if (bits == 2) return j == 0 ? 0x3ee7d567u : 0x3fc154cau;
+  if (bits == 3) {
+    switch (j) {
+      case 0:
+        return 0x3e7afb7fu;
+      case 1:
+        return 0x3f418937u;
+      case 2:
+        return 0x3fac0831u;
+      default:
+        return 0x4009ba5eu;
+    }
+  }
+  switch (j) {
+    case 0:
+      return 0x3e037b4au;
+    case 1:
+      return 0x3ec6b50bu;
+    case 2:
+      return 0x3f28240bu;
+    case 3:
+      return 0x3f714120u;
+    case 4:
+      return 0x3fa0cb29u;
+    case 5:
+      return 0x3fcf1aa0u;
+    case 6:
+      return 0x40046a7fu;
+    default:
+      return 0x402ee2ebu;
+  }
+}
+
+/// The centroid c_code (0 <= code < 2^bits, ascending, c_(2^bits-1-j) = -c_j) of the bits-bit
+/// codebook (bits = 2, 3, 4) as a float32.
+KVQ_HOST_DEVICE float tq_centroid(int bits, int code) {
+  const int half = 1 << (bits - 1);
+  if (code >= half) return f32_from_bits(tq_positive_centroid_bits(bits, code - half));
+  return f32_from_bits(tq_positive_centroid_bits(bits, half - 1 - code) | 0x80000000u);
+}
+
+/// The boundary t_j = (c_j + c_(j+1)) * 0.5 in float32 (0 <= j < 2^bits - 1).
+KVQ_HOST_DEVICE float tq_boundary(int bits, int j) {
+  return mul_rn(add_rn(tq_centroid(bits, j), tq_centroid(bits, j + 1)), 0.5f);
+}
+
+/// The code of a normalised value z: the number of boundaries t_j strictly below z.
+KVQ_HOST_DEVICE int tq_code_of(int bits, float z) {
+  int code = 0;
+  for (int j = 0; j < (1 << bits) - 1; ++j) code += tq_boundary(bits, j) < z ? 1 : 0;
+  return code;
+}
+
+/// Number of bytes of the f16 scales of a row (two per rotation block); the codes follow them.
+KVQ_HOST_DEVICE constexpr int tq_scale_bytes(int head_dim) { return 2 * rotation_block_count(head_dim); }
+
+/// Number of bytes of an encoded row: the scales, then ceil(bits * head_dim / 8) bytes of codes.
+KVQ_HOST_DEVICE constexpr int tq_row_bytes(int bits, int head_dim) {
+  return tq_scale_bytes(head_dim) + (bits * head_dim + 7) / 8;
+}
+
+#if !defined(__METAL_VERSION__)
+
+/// Adds v * v (product rounded) to partial sum i mod 32 of p: (32).
+KVQ_HOST_DEVICE void tq_accumulate_square(float* p, int i, float v) { p[i & 31] = add_rn(p[i & 31], mul_rn(v, v)); }
+
+/// Reduces the 32 partial sums p in place, p_l += p_(l+16) for l < 16, then +8, +4, +2, +1, and
+/// returns p_0.
+KVQ_HOST_DEVICE float tq_reduce_partials(float* p) {
+  for (int w = 16; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) p[l] = add_rn(p[l], p[l + w]);
+  return p[0];
+}
+
+/// The f16 scale bits of block `block` of an encoded row.
+KVQ_HOST_DEVICE u16 tq_scale_bits(const u8* src, int block) {
+  return static_cast<u16>(src[2 * block] | (src[2 * block + 1] << 8));
+}
+
+/// The scale g of block `block` of an encoded row, as a float32.
+KVQ_HOST_DEVICE float tq_block_scale(const u8* src, int block) { return f16_bits_to_f32(tq_scale_bits(src, block)); }
+
+/// The code of coordinate i of an encoded row of head_dim coordinates (bits = 2, 3, 4).
+KVQ_HOST_DEVICE int tq_code(int bits, const u8* src, int head_dim, int i) {
+  const u8* codes = src + tq_scale_bytes(head_dim);
+  const int bit = bits * i;
+  const int shift = bit % 8;
+  u32 window = codes[bit / 8];
+  if (shift + bits > 8) window |= static_cast<u32>(codes[bit / 8 + 1]) << 8;
+  return static_cast<int>((window >> shift) & ((1u << bits) - 1u));
+}
+
+/// The code of coordinate i of an encoded row of head_dim coordinates of the B-bit codec.
+template <int B>
+KVQ_HOST_DEVICE int tq_code(const u8* src, int head_dim, int i) {
+  return tq_code(B, src, head_dim, i);
+}
+
+/// The decoded value c[code_i] * g of coordinate i of an encoded row (rotated space).
+KVQ_HOST_DEVICE float tq_decode_element(int bits, const u8* src, int head_dim, int i) {
+  return mul_rn(tq_centroid(bits, tq_code(bits, src, head_dim, i)),
+                tq_block_scale(src, rotation_block_of(head_dim, i)));
+}
+
+/// The centroids (2^bits) and boundaries (2^bits - 1) of the bits-bit codebook as float32.
+KVQ_HOST_DEVICE void tq_tables(int bits, float* centroid, float* boundary) {
+  for (int c = 0; c < (1 << bits); ++c) centroid[c] = tq_centroid(bits, c);
+  for (int j = 0; j + 1 < (1 << bits); ++j) boundary[j] = tq_boundary(bits, j);
+}
+
+/// Encodes the finite rotation block y: (n) whose first coordinate is coordinate `offset` of the
+/// row (FORMATS.md §6.2 steps 2-5): ORs its codes into the row's zeroed code bytes `codes` and
+/// returns the f16 bits of its scale. `centroid` and `boundary` come from tq_tables.
+KVQ_HOST_DEVICE u16 tq_encode_block(int bits, const float* y, int offset, int n, u8* codes, const float* centroid,
+                                    const float* boundary) {
+  const int levels = 1 << bits;
+  float p[32];
+  for (int l = 0; l < 32; ++l) p[l] = 0.0f;
+  for (int i = 0; i < n; ++i) tq_accumulate_square(p, i, y[i]);
+  const float nu = tq_sqrt(tq_reduce_partials(p));
+  if (nu == 0.0f) return 0;
+  const float k = div_rn(tq_sqrt(static_cast<float>(n)), nu);
+  for (int l = 0; l < 32; ++l) p[l] = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float z = mul_rn(y[i], k);
+    int code = 0;
+    for (int j = 0; j + 1 < levels; ++j) code += boundary[j] < z ? 1 : 0;
+    const int bit = bits * (offset + i);
+    const u32 shifted = static_cast<u32>(code) << (bit % 8);
+    codes[bit / 8] = static_cast<u8>(codes[bit / 8] | (shifted & 0xffu));
+    if (shifted > 0xffu) codes[bit / 8 + 1] = static_cast<u8>(codes[bit / 8 + 1] | (shifted >> 8));
+    tq_accumulate_square(p, i, centroid[code]);
+  }
+  const float rho = tq_sqrt(tq_reduce_partials(p));
+  return f32_to_f16_bits(div_rn(nu, rho));
+}
+
+/// Writes the scale bits of block `block` of an encoded row.
+KVQ_HOST_DEVICE void tq_set_scale_bits(u8* dst, int block, u16 scale) {
+  dst[2 * block] = static_cast<u8>(scale & 0xffu);
+  dst[2 * block + 1] = static_cast<u8>(scale >> 8);
+}
+
+/// Encodes a rotated row y: (head_dim) into tq_row_bytes(bits, head_dim) bytes (FORMATS.md §6.2
+/// steps 2-8).
+KVQ_HOST_DEVICE void tq_encode_row(int bits, const float* y, int head_dim, u8* dst) {
+  const int blocks = rotation_block_count(head_dim);
+  u8* codes = dst + 2 * blocks;
+  const int code_bytes = (bits * head_dim + 7) / 8;
+  for (int k = 0; k < code_bytes; ++k) codes[k] = 0;
+  bool finite = true;
+  for (int i = 0; i < head_dim; ++i) finite = finite && is_finite_f32(y[i]);
+  if (!finite) {
+    for (int b = 0; b < blocks; ++b) tq_set_scale_bits(dst, b, tq_poisoned_scale);
+    return;
+  }
+  float centroid[16];
+  float boundary[15];
+  tq_tables(bits, centroid, boundary);
+  int block = 0;
+  for (int offset = 0; offset < head_dim; ++block) {
+    const int n = rotation_block_size(head_dim, offset);
+    tq_set_scale_bits(dst, block, tq_encode_block(bits, y + offset, offset, n, codes, centroid, boundary));
+    offset += n;
+  }
+}
+
+/// Decodes an encoded row into y^: (head_dim), y^_i = c[code_i] * g (rotated space; NaN for a
+/// poisoned row).
+KVQ_HOST_DEVICE void tq_decode_row(int bits, const u8* src, int head_dim, float* out) {
+  float centroid[16];
+  for (int c = 0; c < (1 << bits); ++c) centroid[c] = tq_centroid(bits, c);
+  int block = 0;
+  for (int offset = 0; offset < head_dim; ++block) {
+    const int n = rotation_block_size(head_dim, offset);
+    const float g = tq_block_scale(src, block);
+    for (int i = offset; i < offset + n; ++i) out[i] = mul_rn(centroid[tq_code(bits, src, head_dim, i)], g);
+    offset += n;
+  }
+}
+
+#endif  // !__METAL_VERSION__
+
+/// The B-bit codebook codec (B = 2, 3, 4) of already rotated rows: FORMATS.md §6.2 steps 2-8, one
+/// unit per row covering all of head_dim (its rotation blocks are inside the unit).
+template <int B>
+struct tq_codebook {
+  static_assert(B >= 2 && B <= 4, "tq codebooks have 2, 3 or 4 bits per coordinate");
+
+  static constexpr std::string_view name = B == 2 ? "tq2-codebook" : B == 3 ? "tq3-codebook" : "tq4-codebook";
+  static constexpr codec_layout layout = codec_layout::row;
+  static constexpr int bits = B;
+  using params_type = no_params;
+
+  /// One unit per row: head_dim channels, 2 bytes per rotation block plus ceil(B * head_dim / 8).
+  static constexpr auto geometry(int head_dim) noexcept -> block_geometry {
+    return {head_dim, 1, 1, static_cast<std::size_t>(tq_row_bytes(B, head_dim))};
+  }
+
+  /// Encodes one rotated row y: (head_dim) into geometry(head_dim).bytes() bytes.
+  static void encode_row(float const* y, int head_dim, std::uint8_t* dst, params_type const& = {}) noexcept {
+    tq_encode_row(B, y, head_dim, dst);
+  }
+
+  /// Decodes one row into out: (head_dim), in the rotated space (no inverse rotation).
+  static void decode_row(std::uint8_t const* src, int head_dim, float* out, params_type const& = {}) noexcept {
+    tq_decode_row(B, src, head_dim, out);
+  }
+
+  /// The code of coordinate i of an encoded row.
+  static auto code(std::uint8_t const* src, int head_dim, int i) noexcept -> int {
+    return tq_code(B, src, head_dim, i);
+  }
+
+  /// The scale g of rotation block `block` of an encoded row.
+  static auto scale(std::uint8_t const* src, int block) noexcept -> float { return tq_block_scale(src, block); }
+};
+
+}  // namespace detail
+KVQ_NAMESPACE_END
