@@ -208,6 +208,27 @@ TEST_CASE("SIMD attention matches the reference: tq2, tq3, tq4", "[attention_ker
   check_choice<kvq::kv_codecs<kvq::tq<2, 12345>, kvq::tq<4, 7>>>("tq2 seed 12345 keys / tq4 seed 7 values");
 }
 
+TEST_CASE("SIMD attention: tq rows of three or more rotation blocks", "[attention_kernels][tq]") {
+  // 112 = 64 + 32 + 16 and 224 = 128 + 64 + 32: the loader's block scales are looked up at every
+  // prepare (rows of one or two blocks have them computed once per token).
+  std::uint32_t seed = 501;
+  for (int d : {112, 224}) {
+    for (auto const& lay : layouts) {
+      auto check = [&](auto tag, char const* name) {
+        using C = decltype(tag);
+        auto const cache = make_cache<C>(lay.kv_heads, d, 300, 128, ++seed);
+        auto const q = queries(lay.q_heads, d, ++seed);
+        std::string const what = std::string(name) + ", head_dim " + std::to_string(d) + ", " +
+                                 std::to_string(lay.q_heads) + "/" + std::to_string(lay.kv_heads) + " heads";
+        compare(cache, q, lay.q_heads, 0, 300, {}, 2e-5, what);
+        compare(cache, q, lay.q_heads, 5, 171, {}, 2e-5, what);
+      };
+      check(kvq::tq4{}, "tq4");
+      check(kvq::tq3{}, "tq3");
+    }
+  }
+}
+
 TEST_CASE("SIMD attention: tq rows holding NaN or Inf as the reference", "[attention_kernels][tq]") {
   int const kv = 2, qh = 8;
   std::int64_t const n = 100;

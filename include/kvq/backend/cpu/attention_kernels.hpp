@@ -357,24 +357,35 @@ struct simd_attention {
   /// the bit stream and looked up in a register table of the centroids times the scale of their
   /// rotation block, c[code] * g (one rounding, the codec's decode; NaN signs aside). For head_dims
   /// that are multiples of W: every vector the kernels load then lies inside one rotation block,
-  /// and prepare(t, c) scales the table by the scale of c's block (blocks of >= 32 channels are
-  /// 32-aligned).
+  /// and prepare(t, c) gives the table scaled by the scale of c's block (blocks of >= 32 channels
+  /// are 32-aligned). Rows of at most `kept` blocks (head_dim 64, 80, 96, 128, 256, ...) have their
+  /// scaled tables computed once per token, when the loader is made, not at every prepare.
   template <int B>
   struct tq_rows {
+    using table = typename V::table16;
+    static constexpr int kept = 2;
     std::uint8_t const* const* rows;
     int d;
+    int blocks;
     int scale_bytes;  // 2 * rotation blocks: where the codes start
-    typename V::table16 table;
+    table centroids;
     float centroid[16];
+    table scaled[std::size_t{kept}][std::size_t{T}];  // [block][token], rows of <= kept blocks
     struct prep {
-      typename V::table16 scaled;
+      table scaled;
     };
-    tq_rows(std::uint8_t const* const* r, int head_dim) noexcept
-        : rows(r), d(head_dim), scale_bytes(detail::tq_scale_bytes(head_dim)) {
+    tq_rows(std::uint8_t const* const* r, int head_dim, int m) noexcept
+        : rows(r),
+          d(head_dim),
+          blocks(detail::rotation_block_count(head_dim)),
+          scale_bytes(detail::tq_scale_bytes(head_dim)) {
       alignas(64) float t16[16];
       for (int i = 0; i < (1 << B); ++i) centroid[i] = detail::tq_centroid(B, i);
       for (int i = 0; i < 16; ++i) t16[i] = centroid[i % (1 << B)];
-      table = V::make_table16(t16);
+      centroids = V::make_table16(t16);
+      if (blocks <= kept)
+        for (int b = 0; b < blocks; ++b)
+          for (int t = 0; t < m; ++t) scaled[b][t] = scaled_table(t, b);
     }
     /// The rotation block of channel c: the blocks follow the bits of d from the highest, so c's
     /// block is the one of the highest bit where c and d differ.
@@ -382,13 +393,19 @@ struct simd_attention {
       auto const ud = static_cast<unsigned>(d);
       return std::popcount(ud >> std::bit_width(static_cast<unsigned>(c) ^ ud));
     }
-    float scale(int t, int c) const noexcept { return scale_at(rows[t] + 2 * block_of(c)); }
-    prep prepare(int t, int c) const noexcept { return {V::template scale_symmetric<B>(table, V::set1(scale(t, c)))}; }
-    vf load(int t, int c, prep const& pr) const noexcept {
+    table scaled_table(int t, int block) const noexcept {
+      return V::template scale_symmetric<B>(centroids, V::set1(scale_at(rows[t] + 2 * block)));
+    }
+    KVQ_CPU_ALWAYS_INLINE prep prepare(int t, int c) const noexcept {
+      if (blocks == 1) return {scaled[0][t]};
+      int const b = block_of(c);
+      return {blocks <= kept ? scaled[b][t] : scaled_table(t, b)};
+    }
+    KVQ_CPU_ALWAYS_INLINE vf load(int t, int c, prep const& pr) const noexcept {
       return V::template lookup_symmetric<B>(pr.scaled, V::template stream_codes<B>(rows[t] + scale_bytes, c));
     }
     float at(int t, int c) const noexcept {
-      return detail::mul_rn(centroid[detail::tq_code(B, rows[t], d, c)], scale(t, c));
+      return detail::mul_rn(centroid[detail::tq_code(B, rows[t], d, c)], scale_at(rows[t] + 2 * block_of(c)));
     }
   };
 
@@ -427,7 +444,7 @@ struct simd_attention {
       // A head_dim with a rotation block smaller than W (d % W != 0: d = 40 on AVX-512) would
       // leave its last channels to at(), element by element: decoded rows instead.
       if (d % W == 0)
-        f(tq_rows<C::bits>{tr.rows, d});
+        f(tq_rows<C::bits>{tr.rows, d, m});
       else
         decoded<C>(src, p, d, t, m, tr, buffer, f);
     } else {  // codecs without a loader (mxfp4, nvfp4, ...): decoded rows
