@@ -7,8 +7,6 @@
 #  include <catch2/catch_message.hpp>  // Catch2 v3: INFO, WARN, FAIL with messages
 #endif
 
-#include <llama2c/llama2c.hpp>
-
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <llama2c/llama2c.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -70,7 +69,8 @@ void put_f32(bytes& b, float v) {
   put_u32(b, u);
 }
 void set_i32(bytes& b, std::size_t at, std::int32_t v) {
-  for (int i = 0; i < 4; ++i) b[at + static_cast<std::size_t>(i)] = static_cast<unsigned char>(static_cast<std::uint32_t>(v) >> (8 * i));
+  for (int i = 0; i < 4; ++i)
+    b[at + static_cast<std::size_t>(i)] = static_cast<unsigned char>(static_cast<std::uint32_t>(v) >> (8 * i));
 }
 
 /// The message of the E that f() throws; fails the test on any other outcome.
@@ -228,7 +228,8 @@ void check_against_reference(synth_model const& s, l2::model const& m, int steps
     auto const& logits = e.forward(tokens[std::size_t(p)], p);
     REQUIRE(logits.size() == std::size_t(s.vocab));
     for (std::size_t i = 0; i < logits.size(); ++i)
-      worst = std::max(worst, std::fabs(double(logits[i]) - ref[std::size_t(p)][i]) / (1.0 + std::fabs(ref[std::size_t(p)][i])));
+      worst = std::max(
+          worst, std::fabs(double(logits[i]) - ref[std::size_t(p)][i]) / (1.0 + std::fabs(ref[std::size_t(p)][i])));
   }
   INFO("largest relative logit difference vs the double reference: " << worst);
   CHECK(worst < 1e-4);
@@ -289,6 +290,11 @@ namespace {
 
 /// Loose bound of mean |Δlogit| / mean |logit| against the f32 cache, per codec.
 auto loose_bound(std::string_view codec) -> double {
+  // Rotated forms: their plain codec's bound with a margin (at this model's small head_dim the
+  // rotation mixes few channels; measured: rot-mxfp4 0.36, rot-kivi2 0.45).
+  if (codec.starts_with("rot-")) return 1.25 * loose_bound(codec.substr(4));
+  if (codec == "tq2") return 0.75;  // measured 0.64
+  if (codec == "tq3") return 0.5;   // measured 0.40
   if (codec == "f32") return 0.0;
   if (codec == "f16") return 1e-3;
   if (codec == "q8_0" || codec == "int8" || codec == "kivi8") return 0.03;
@@ -522,11 +528,20 @@ struct synth_tokenizer {
       tokens.emplace_back(0.0f, buf);
     }
     // 259 ...
-    for (auto const& [score, piece] : std::vector<std::pair<float, std::string>>{
-             {-1000, " "}, {-1000, "a"}, {-1000, "b"}, {-1000, "c"},  // 259-262
-             {-5, "aa"}, {-3, "ab"}, {-1, "bc"}, {-10, " a"},         // 263-266
-             {-1000, "\xC3\xA9"}, {-1000, "x"}, {-1000, "<0xZZ>"},     // 267-269 (é, x, not a byte)
-             {-1000, "x"}, {-1000, ""}})                               // 270 (duplicate of x), 271 (empty)
+    for (auto const& [score, piece] :
+         std::vector<std::pair<float, std::string>>{{-1000, " "},
+                                                    {-1000, "a"},
+                                                    {-1000, "b"},
+                                                    {-1000, "c"},  // 259-262
+                                                    {-5, "aa"},
+                                                    {-3, "ab"},
+                                                    {-1, "bc"},
+                                                    {-10, " a"},  // 263-266
+                                                    {-1000, "\xC3\xA9"},
+                                                    {-1000, "x"},
+                                                    {-1000, "<0xZZ>"},  // 267-269 (é, x, not a byte)
+                                                    {-1000, "x"},
+                                                    {-1000, ""}})  // 270 (duplicate of x), 271 (empty)
       tokens.emplace_back(score, piece);
   }
   auto vocab() const -> int { return int(tokens.size()); }
@@ -573,7 +588,7 @@ TEST_CASE("tokenizer: run.c's encode and decode rules on a synthetic vocabulary"
   std::string const with_nul("a\0b", 3);
   CHECK(t.encode(with_nul, false) == std::vector<int>{266, 3, 261});
 
-  CHECK(t.decode(1, 266) == "a");      // space dropped after BOS
+  CHECK(t.decode(1, 266) == "a");  // space dropped after BOS
   CHECK(t.decode(260, 266) == " a");
   CHECK(t.decode(1, 0x41 + 3) == "A");
   CHECK(t.decode(1, 0x0A + 3) == "\n");
