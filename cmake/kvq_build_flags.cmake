@@ -32,3 +32,18 @@ else()
     target_compile_options(kvq_warnings INTERFACE -Wno-restrict)
   endif()
 endif()
+
+# kvq_any_cache_instances: the caches behind the any_cache facade compiled once per build, in three
+# translation units (any_cache_instances.hpp), for kvq's own tests, tools and examples; whatever
+# links it includes any_cache.hpp with KVQ_ANY_CACHE_SEPARATE, so that the facade's entries are not
+# compiled again in each of its translation units.
+set(_kvq_any_cache_tus)
+foreach(group IN ITEMS 0 1 2)
+  set(tu "${PROJECT_BINARY_DIR}/kvq_any_cache_instances_${group}.cpp")
+  file(CONFIGURE OUTPUT "${tu}"
+       CONTENT "#define KVQ_ANY_CACHE_INSTANCES_GROUP ${group}\n#include <kvq/any_cache_instances.hpp>\n")
+  list(APPEND _kvq_any_cache_tus "${tu}")
+endforeach()
+add_library(kvq_any_cache_instances STATIC ${_kvq_any_cache_tus})
+target_link_libraries(kvq_any_cache_instances PUBLIC kvq::kvq kvq_test_flags PRIVATE kvq_warnings)
+target_compile_definitions(kvq_any_cache_instances PUBLIC KVQ_ANY_CACHE_SEPARATE)

@@ -19,6 +19,8 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/paged_attention.hpp
     include/kvq/persist.hpp
     include/kvq/any_cache.hpp
+    include/kvq/any_cache_instances.hpp
+    include/kvq/detail/any_cache_model.hpp
     include/kvq/backend/backend.hpp
     include/kvq/backend/cpu/kernels.hpp
     include/kvq/backend/cpu/cpu_device.hpp

@@ -6,10 +6,15 @@
 // combination. Names are those of DESIGN §8: f32, f16, q4_0, q8_0, int8, fp8_e4m3, fp8_e5m2,
 // mxfp4, nvfp4, kivi2, kivi4, kivi8 (as keys: per-channel KIVI keys; as values: per-token KIVI
 // values).
+//
+// Every entry is compiled in each translation unit that includes this header. Programs with many
+// such translation units can compile them once instead: see any_cache_instances.hpp
+// (KVQ_ANY_CACHE_SEPARATE).
 #pragma once
 
 #include <array>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -106,74 +111,72 @@ inline auto make_any_cache(cache_shape const& shape, std::vector<std::pair<std::
 
 namespace detail {
 
-/// any_cache over one QuantizedKVCache<Choice>.
-template <codec_choice Choice>
-class any_cache_model final : public any_cache {
- public:
-  using cache_type = QuantizedKVCache<Choice>;
+/// A new cache of codec choice Choice behind the facade, named k / v. Defined in
+/// detail/any_cache_model.hpp: included below unless KVQ_ANY_CACHE_SEPARATE is defined, in which
+/// case one translation unit of the program must include any_cache_instances.hpp.
+template <class Choice>
+auto make_model(cache_shape const& s, any_cache_options const& o, std::string_view k, std::string_view v)
+    -> std::unique_ptr<any_cache>;
 
-  any_cache_model(cache_shape const& shape, std::string_view k_name, std::string_view v_name,
-                  any_cache_options const& o)
-      : cache_(shape, cache_options(o)), k_name_(k_name), v_name_(v_name) {}
+}  // namespace detail
 
-  auto shape() const -> cache_shape override { return cache_.shape(); }
-  auto key_codec_name(int layer) const -> std::string_view override {
-    cache_.check_layer(layer);
-    return k_name_;
-  }
-  auto value_codec_name(int layer) const -> std::string_view override {
-    cache_.check_layer(layer);
-    return v_name_;
-  }
-  auto size(int layer) const -> std::int64_t override { return cache_.size(layer); }
-  void append(int layer, kv_tensor<float> const& k, kv_tensor<float> const& v) override { cache_.append(layer, k, v); }
-  void append(int layer, kv_tensor<f16> const& k, kv_tensor<f16> const& v) override { cache_.append(layer, k, v); }
-  void append(int layer, kv_tensor<bf16> const& k, kv_tensor<bf16> const& v) override { cache_.append(layer, k, v); }
-  void read_keys(int layer, int head, std::int64_t first, std::int64_t count, float* out,
-                 std::int64_t stride) const override {
-    cache_.read_keys(layer, head, first, count, out, stride);
-  }
-  void read_values(int layer, int head, std::int64_t first, std::int64_t count, float* out,
-                   std::int64_t stride) const override {
-    cache_.read_values(layer, head, first, count, out, stride);
-  }
-  void truncate(std::int64_t n) override { cache_.truncate(n); }
-  void shift_left(std::int64_t n) override { cache_.shift_left(n); }
-  void reset() override { cache_.reset(); }
-  auto memory() const -> memory_report override { return cache_.memory(); }
-  auto nonfinite_blocks(int layer) const -> nonfinite_report override { return cache_.nonfinite_blocks(layer); }
-  auto nonfinite_blocks() const -> nonfinite_report override { return cache_.nonfinite_blocks(); }
-  void attention(int layer, float const* q, int q_heads, float* out, attention_options const& opt) const override {
-    decode_attention(cache_, layer, q, q_heads, out, opt);
-  }
-  void attention(int layer, float const* q, std::int64_t n_q, int q_heads, float* out, attention_options const& opt,
-                 int threads) const override {
-    ::kvq::attention(cache_, layer, q, n_q, q_heads, out, opt, threads);
-  }
-  auto attend(int layer, float const* q, int q_heads, std::int64_t begin, std::int64_t end,
-              attention_options const& opt) const -> attention_partial override {
-    return attend_range(cache_, layer, q, q_heads, begin, end, opt);
-  }
+KVQ_NAMESPACE_END
 
-  /// The typed cache (for code that wants the compile-time interface back).
-  auto typed() const -> cache_type const& { return cache_; }
+#if !defined(KVQ_ANY_CACHE_SEPARATE)
+#  include "detail/any_cache_model.hpp"
+#endif
 
- private:
-  static auto cache_options(any_cache_options const& o) -> typename cache_type::options {
-    typename cache_type::options c;
-    c.residual = o.residual;
-    c.memory = o.memory;
-    if constexpr (std::is_same_v<typename cache_type::key_params, fp8_params>) c.key = o.key_fp8;
-    if constexpr (std::is_same_v<typename cache_type::value_params, fp8_params>) c.value = o.value_fp8;
-    if constexpr (std::is_same_v<typename cache_type::key_params, fp4_params>) c.key = o.key_fp4;
-    if constexpr (std::is_same_v<typename cache_type::value_params, fp4_params>) c.value = o.value_fp4;
-    return c;
-  }
+/// The explicit list of instantiations behind the facade: X(group, key name, value name, Choice)
+/// for every entry, in three groups of about the same compile time (any_cache_instances.hpp).
+#define KVQ_ANY_CACHE_PAIRS(X)                                                                          \
+  X(0, "f32", "f32", f32_codec)                                                                         \
+  X(0, "f16", "f16", f16_codec)                                                                         \
+  X(0, "q4_0", "q4_0", q4_0)                                                                            \
+  X(0, "q8_0", "q8_0", q8_0)                                                                            \
+  X(0, "int8", "int8", int8_sym)                                                                        \
+  X(0, "fp8_e4m3", "fp8_e4m3", fp8_e4m3)                                                                \
+  X(0, "fp8_e5m2", "fp8_e5m2", fp8_e5m2)                                                                \
+  X(0, "mxfp4", "mxfp4", mxfp4)                                                                         \
+  X(0, "nvfp4", "nvfp4", nvfp4)                                                                         \
+  X(0, "kivi2", "kivi2", kivi<2>)                                                                       \
+  X(0, "kivi4", "kivi4", kivi<4>)                                                                       \
+  X(0, "kivi8", "kivi8", kivi<8>)                                                                       \
+  X(1, "q8_0", "q4_0", kv_codecs<q8_0, q4_0>)                                                           \
+  X(1, "q8_0", "f16", kv_codecs<q8_0, f16_codec>)                                                       \
+  X(1, "f16", "q8_0", kv_codecs<f16_codec, q8_0>)                                                       \
+  X(1, "f16", "q4_0", kv_codecs<f16_codec, q4_0>)                                                       \
+  X(1, "int8", "q4_0", kv_codecs<int8_sym, q4_0>)                                                       \
+  X(1, "fp8_e4m3", "q4_0", kv_codecs<fp8_e4m3, q4_0>)                                                   \
+  X(1, "q8_0", "kivi4", kv_codecs<q8_0, ::kvq::kivi_value<4>>)                                          \
+  X(1, "int8", "kivi4", kv_codecs<int8_sym, ::kvq::kivi_value<4>>)                                      \
+  X(1, "int8", "kivi2", kv_codecs<int8_sym, ::kvq::kivi_value<2>>)                                      \
+  X(1, "kivi8", "kivi4", kv_codecs<::kvq::kivi_key<8>, ::kvq::kivi_value<4>>)                           \
+  X(1, "kivi4", "kivi2", kv_codecs<::kvq::kivi_key<4>, ::kvq::kivi_value<2>>)                           \
+  X(1, "kivi8", "kivi2", kv_codecs<::kvq::kivi_key<8>, ::kvq::kivi_value<2>>)                           \
+  X(1, "rot-f32", "rot-f32", rotated<f32_codec>)                                                        \
+  X(1, "rot-f16", "rot-f16", rotated<f16_codec>)                                                        \
+  X(1, "rot-q4_0", "rot-q4_0", rotated<q4_0>)                                                           \
+  X(2, "rot-q8_0", "rot-q8_0", rotated<q8_0>)                                                           \
+  X(2, "rot-int8", "rot-int8", rotated<int8_sym>)                                                       \
+  X(2, "rot-fp8_e4m3", "rot-fp8_e4m3", rotated<fp8_e4m3>)                                               \
+  X(2, "rot-fp8_e5m2", "rot-fp8_e5m2", rotated<fp8_e5m2>)                                               \
+  X(2, "rot-mxfp4", "rot-mxfp4", rotated<mxfp4>)                                                        \
+  X(2, "rot-nvfp4", "rot-nvfp4", rotated<nvfp4>)                                                        \
+  X(2, "rot-kivi2", "rot-kivi2", kv_codecs<rotated<::kvq::kivi_key<2>>, rotated<::kvq::kivi_value<2>>>) \
+  X(2, "rot-kivi4", "rot-kivi4", kv_codecs<rotated<::kvq::kivi_key<4>>, rotated<::kvq::kivi_value<4>>>) \
+  X(2, "rot-kivi8", "rot-kivi8", kv_codecs<rotated<::kvq::kivi_key<8>>, rotated<::kvq::kivi_value<8>>>) \
+  X(2, "rot-q4_0", "q4_0", kv_codecs<rotated<q4_0>, q4_0>)                                              \
+  X(2, "rot-q8_0", "q4_0", kv_codecs<rotated<q8_0>, q4_0>)                                              \
+  X(2, "rot-q8_0", "rot-q4_0", kv_codecs<rotated<q8_0>, rotated<q4_0>>)                                 \
+  X(2, "rot-kivi4", "kivi4", kv_codecs<rotated<::kvq::kivi_key<4>>, ::kvq::kivi_value<4>>)              \
+  X(0, "tq2", "tq2", tq2)                                                                               \
+  X(0, "tq3", "tq3", tq3)                                                                               \
+  X(0, "tq4", "tq4", tq4)                                                                               \
+  X(1, "tq4", "tq3", kv_codecs<tq4, tq3>)                                                               \
+  X(2, "rot-q8_0", "tq4", kv_codecs<rotated<q8_0>, tq4>)
 
-  cache_type cache_;
-  std::string_view k_name_;
-  std::string_view v_name_;
-};
+KVQ_NAMESPACE_BEGIN
+namespace detail {
 
 using any_cache_factory = std::unique_ptr<any_cache> (*)(cache_shape const&, any_cache_options const&);
 
@@ -183,75 +186,18 @@ struct any_cache_entry {
   any_cache_factory make;
 };
 
-template <class Choice>
-auto make_model(cache_shape const& s, any_cache_options const& o, std::string_view k, std::string_view v)
-    -> std::unique_ptr<any_cache> {
-  return std::make_unique<any_cache_model<Choice>>(s, k, v, o);
-}
+#define KVQ_DETAIL_ANY_CACHE_ENTRY(GROUP, KNAME, VNAME, ...)                                                         \
+  any_cache_entry{KNAME, VNAME, [](cache_shape const& s, any_cache_options const& o) -> std::unique_ptr<any_cache> { \
+                    return make_model<__VA_ARGS__>(s, o, KNAME, VNAME);                                              \
+                  }},
 
-#define KVQ_ANY_CACHE_ENTRY(KNAME, VNAME, ...)                                                         \
-  any_cache_entry {                                                                                    \
-    KNAME, VNAME, [](cache_shape const& s, any_cache_options const& o) -> std::unique_ptr<any_cache> { \
-      return make_model<__VA_ARGS__>(s, o, KNAME, VNAME);                                              \
-    }                                                                                                  \
-  }
-
-/// The explicit list of instantiations behind the facade.
-inline auto const& any_cache_table() {
-  static std::array<any_cache_entry, 45> const table = {
-      KVQ_ANY_CACHE_ENTRY("f32", "f32", f32_codec),
-      KVQ_ANY_CACHE_ENTRY("f16", "f16", f16_codec),
-      KVQ_ANY_CACHE_ENTRY("q4_0", "q4_0", q4_0),
-      KVQ_ANY_CACHE_ENTRY("q8_0", "q8_0", q8_0),
-      KVQ_ANY_CACHE_ENTRY("int8", "int8", int8_sym),
-      KVQ_ANY_CACHE_ENTRY("fp8_e4m3", "fp8_e4m3", fp8_e4m3),
-      KVQ_ANY_CACHE_ENTRY("fp8_e5m2", "fp8_e5m2", fp8_e5m2),
-      KVQ_ANY_CACHE_ENTRY("mxfp4", "mxfp4", mxfp4),
-      KVQ_ANY_CACHE_ENTRY("nvfp4", "nvfp4", nvfp4),
-      KVQ_ANY_CACHE_ENTRY("kivi2", "kivi2", kivi<2>),
-      KVQ_ANY_CACHE_ENTRY("kivi4", "kivi4", kivi<4>),
-      KVQ_ANY_CACHE_ENTRY("kivi8", "kivi8", kivi<8>),
-      KVQ_ANY_CACHE_ENTRY("q8_0", "q4_0", kv_codecs<q8_0, q4_0>),
-      KVQ_ANY_CACHE_ENTRY("q8_0", "f16", kv_codecs<q8_0, f16_codec>),
-      KVQ_ANY_CACHE_ENTRY("f16", "q8_0", kv_codecs<f16_codec, q8_0>),
-      KVQ_ANY_CACHE_ENTRY("f16", "q4_0", kv_codecs<f16_codec, q4_0>),
-      KVQ_ANY_CACHE_ENTRY("int8", "q4_0", kv_codecs<int8_sym, q4_0>),
-      KVQ_ANY_CACHE_ENTRY("fp8_e4m3", "q4_0", kv_codecs<fp8_e4m3, q4_0>),
-      KVQ_ANY_CACHE_ENTRY("q8_0", "kivi4", kv_codecs<q8_0, ::kvq::kivi_value<4>>),
-      KVQ_ANY_CACHE_ENTRY("int8", "kivi4", kv_codecs<int8_sym, ::kvq::kivi_value<4>>),
-      KVQ_ANY_CACHE_ENTRY("int8", "kivi2", kv_codecs<int8_sym, ::kvq::kivi_value<2>>),
-      KVQ_ANY_CACHE_ENTRY("kivi8", "kivi4", kv_codecs<::kvq::kivi_key<8>, ::kvq::kivi_value<4>>),
-      KVQ_ANY_CACHE_ENTRY("kivi4", "kivi2", kv_codecs<::kvq::kivi_key<4>, ::kvq::kivi_value<2>>),
-      KVQ_ANY_CACHE_ENTRY("kivi8", "kivi2", kv_codecs<::kvq::kivi_key<8>, ::kvq::kivi_value<2>>),
-      KVQ_ANY_CACHE_ENTRY("rot-f32", "rot-f32", rotated<f32_codec>),
-      KVQ_ANY_CACHE_ENTRY("rot-f16", "rot-f16", rotated<f16_codec>),
-      KVQ_ANY_CACHE_ENTRY("rot-q4_0", "rot-q4_0", rotated<q4_0>),
-      KVQ_ANY_CACHE_ENTRY("rot-q8_0", "rot-q8_0", rotated<q8_0>),
-      KVQ_ANY_CACHE_ENTRY("rot-int8", "rot-int8", rotated<int8_sym>),
-      KVQ_ANY_CACHE_ENTRY("rot-fp8_e4m3", "rot-fp8_e4m3", rotated<fp8_e4m3>),
-      KVQ_ANY_CACHE_ENTRY("rot-fp8_e5m2", "rot-fp8_e5m2", rotated<fp8_e5m2>),
-      KVQ_ANY_CACHE_ENTRY("rot-mxfp4", "rot-mxfp4", rotated<mxfp4>),
-      KVQ_ANY_CACHE_ENTRY("rot-nvfp4", "rot-nvfp4", rotated<nvfp4>),
-      KVQ_ANY_CACHE_ENTRY("rot-kivi2", "rot-kivi2",
-                          kv_codecs<rotated<::kvq::kivi_key<2>>, rotated<::kvq::kivi_value<2>>>),
-      KVQ_ANY_CACHE_ENTRY("rot-kivi4", "rot-kivi4",
-                          kv_codecs<rotated<::kvq::kivi_key<4>>, rotated<::kvq::kivi_value<4>>>),
-      KVQ_ANY_CACHE_ENTRY("rot-kivi8", "rot-kivi8",
-                          kv_codecs<rotated<::kvq::kivi_key<8>>, rotated<::kvq::kivi_value<8>>>),
-      KVQ_ANY_CACHE_ENTRY("rot-q4_0", "q4_0", kv_codecs<rotated<q4_0>, q4_0>),
-      KVQ_ANY_CACHE_ENTRY("rot-q8_0", "q4_0", kv_codecs<rotated<q8_0>, q4_0>),
-      KVQ_ANY_CACHE_ENTRY("rot-q8_0", "rot-q4_0", kv_codecs<rotated<q8_0>, rotated<q4_0>>),
-      KVQ_ANY_CACHE_ENTRY("rot-kivi4", "kivi4", kv_codecs<rotated<::kvq::kivi_key<4>>, ::kvq::kivi_value<4>>),
-      KVQ_ANY_CACHE_ENTRY("tq2", "tq2", tq2),
-      KVQ_ANY_CACHE_ENTRY("tq3", "tq3", tq3),
-      KVQ_ANY_CACHE_ENTRY("tq4", "tq4", tq4),
-      KVQ_ANY_CACHE_ENTRY("tq4", "tq3", kv_codecs<tq4, tq3>),
-      KVQ_ANY_CACHE_ENTRY("rot-q8_0", "tq4", kv_codecs<rotated<q8_0>, tq4>),
-  };
+/// The table behind the facade, in the order of KVQ_ANY_CACHE_PAIRS.
+inline auto any_cache_table() -> std::span<any_cache_entry const> {
+  static any_cache_entry const table[] = {KVQ_ANY_CACHE_PAIRS(KVQ_DETAIL_ANY_CACHE_ENTRY)};
   return table;
 }
 
-#undef KVQ_ANY_CACHE_ENTRY
+#undef KVQ_DETAIL_ANY_CACHE_ENTRY
 
 /// any_cache made of one single-layer cache per layer (per-layer codec choice).
 class layered_any_cache final : public any_cache {

@@ -2,11 +2,14 @@
 // templates only show when they are instantiated), compiled with the strict consumer flags of
 // tests/header_warnings/CMakeLists.txt. Compile-only: nothing here is ever run.
 //
-// Covered: QuantizedKVCache for every codec (through the any_cache facade's table and directly)
+// Covered: QuantizedKVCache for every codec (directly; the any_cache facade's table as declarations)
 // with append of f32/f16/bf16, reads, truncate/shift/reset, storage views and memory; decode
 // attention (the default kernel, the scalar reference and every SIMD kernel compiled in, for
 // every codec pair); the CPU codec kernels of every instruction set compiled in; simd_level; the
-// rotation and the tq codebook codecs of rotated rows.
+// rotation and the tq codebook codecs of rotated rows. The facade's caches themselves are
+// instantiated by the generated translation unit of any_cache_instances.hpp, so here the facade
+// only declares them (KVQ_ANY_CACHE_SEPARATE).
+#define KVQ_ANY_CACHE_SEPARATE
 #include <kvq/codec/tq.hpp>
 #include <kvq/detail/rotation.h>
 #include <kvq/kvq.hpp>
