@@ -43,6 +43,7 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/detail/math_fp8.h
     include/kvq/detail/math_kivi.h
     include/kvq/detail/math_fp4.h
+    include/kvq/detail/math_tq.h
     include/kvq/detail/rotation.h
     include/kvq/codec/codec.hpp
     include/kvq/codec/passthrough.hpp
@@ -52,6 +53,7 @@ set(KVQ_PUBLIC_HEADERS
     include/kvq/codec/fp8.hpp
     include/kvq/codec/fp4.hpp
     include/kvq/codec/rotated.hpp
+    include/kvq/codec/centered.hpp
     include/kvq/codec/tq_codebook.hpp
     include/kvq/codec/tq.hpp
     include/kvq/codec/kivi.hpp

@@ -36,7 +36,9 @@ if(KVQ_METAL_COMPILE_CHECK)
         "${_kvq_root}/include/kvq/detail/math_int8.h"
         "${_kvq_root}/include/kvq/detail/math_fp8.h"
         "${_kvq_root}/include/kvq/detail/math_kivi.h"
-        "${_kvq_root}/include/kvq/detail/math_fp4.h")
+        "${_kvq_root}/include/kvq/detail/math_fp4.h"
+        "${_kvq_root}/include/kvq/detail/math_tq.h"
+        "${_kvq_root}/include/kvq/detail/rotation.h")
     set(_kvq_metal_flags -sdk macosx metal -c -fno-fast-math -Wall)
     set(_kvq_metal_outputs "${CMAKE_CURRENT_BINARY_DIR}/kvq_kernels.air")
     add_custom_command(

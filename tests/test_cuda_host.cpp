@@ -11,6 +11,8 @@
 // the GPU) or an uninitialised shared value would show up as a difference.
 #include <kvq/backend/cuda/cuda_cache_core.hpp>
 #include <kvq/backend/cuda/cuda_paged_cache.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 #include <kvq/core/kernel_bodies.h>
 #include <kvq/paged_attention.hpp>
 
@@ -314,6 +316,76 @@ TEMPLATE_TEST_CASE("cuda host: KIVI residual semantics match the CPU cache", "[c
   }
 }
 
+// Rotated codecs: the stored codec's kernel bodies with R at the edges (inputs rotated by the
+// write kernels, reads un-rotated, queries rotated and outputs un-rotated by the attention); both
+// sides, keys or values alone, two seeds, the tq codebooks and a KIVI residual of rotated rows.
+TEMPLATE_TEST_CASE("cuda host: rotated codecs match the CPU caches", "[cuda_host][rotated]", kvq::rotated<kvq::q4_0>,
+                   (kvq::kv_codecs<kvq::rotated<kvq::q8_0>, kvq::q4_0>), (kvq::kv_codecs<kvq::q4_0, kvq::tq3>),
+                   kvq::tq4, (kvq::kv_codecs<kvq::tq2, kvq::rotated<kvq::q8_0, 7>>),
+                   (kvq::kv_codecs<kvq::rotated<kvq::kivi_key<4>>, kvq::rotated<kvq::kivi_value<4>>>)) {
+  STATIC_REQUIRE(kvq::implements<typename kvq::codec_pair<TestType>::key, kvq::cuda>::value);
+  STATIC_REQUIRE(kvq::implements<typename kvq::codec_pair<TestType>::value, kvq::cuda>::value);
+  int const r = kvq::codec_pair<TestType>::key::layout == kvq::codec_layout::token_group ? 32 : 0;
+  for (int d : {64, 80}) {
+    INFO("head_dim " << d);
+    kt::run_scenario<TestType, host_harness>(d, r, {}, {}, d == 64);
+  }
+  // Multi-token and paged for three of them (compile time): both sides rotated, two seeds with
+  // tq values, a KIVI residual.
+  using rot_q4_0 = kvq::rotated<kvq::q4_0>;
+  if constexpr (std::is_same_v<TestType, rot_q4_0> ||
+                kvq::codec_pair<TestType>::key::layout == kvq::codec_layout::token_group ||
+                std::is_same_v<TestType, kvq::kv_codecs<kvq::tq2, kvq::rotated<kvq::q8_0, 7>>>) {
+    kt::run_multi_token<TestType, host_harness>(80, r, {64, 0});
+    kt::run_paged<TestType, host_paged_harness>(64, r);
+    kt::run_paged_chunks<TestType, host_paged_harness>(40, r, {64, 40});
+  }
+  if constexpr (std::is_same_v<TestType, kvq::tq4> || std::is_same_v<TestType, rot_q4_0>)
+    kt::run_special_values<TestType, host_harness>(40);
+}
+
+// Centered keys: the key means μ computed on the device from the first chunk by the CPU's rule
+// (so the same μ, stored bytes and reads as the CPU caches), subtracted before the rotation, added
+// to reads, and the logit offset scale · (q·μ) in the attention (soft-cap and sinks included);
+// paged with forks (the child takes the parent's μ).
+TEMPLATE_TEST_CASE("cuda host: centered keys match the CPU caches", "[cuda_host][centered]",
+                   (kvq::kv_codecs<kvq::centered<kvq::q4_0>, kvq::q8_0>),
+                   (kvq::kv_codecs<kvq::centered<kvq::rotated<kvq::q4_0>>, kvq::q4_0>),
+                   (kvq::kv_codecs<kvq::centered<kvq::kivi_key<4>>, kvq::kivi_value<4>>)) {
+  using key = typename kvq::codec_pair<TestType>::key;
+  STATIC_REQUIRE(kvq::implements<key, kvq::cuda>::value);
+  constexpr bool kivi = key::layout == kvq::codec_layout::token_group;
+  int const r = kivi ? 32 : 0;
+  kt::run_scenario<TestType, host_harness>(kivi ? 64 : 80, r, options_with<TestType>(r), {}, !kivi);
+  {  // μ itself: the CPU's, bit for bit; zeros for an empty layer; a new one after emptying
+    int const kv = 2, d = 40;
+    kt::pair_of_caches<TestType, host_harness> c({2, kv, d, 128}, options_with<TestType>(r));
+    auto k = kt::kv_data(19, kv, d, 5);
+    for (float& x : k) x += 3.0f;  // a common offset, which centering removes
+    k[7] = std::numeric_limits<float>::quiet_NaN();
+    c.append(0, k, kt::kv_data(19, kv, d, 6), 19);
+    c.append(0, kt::kv_data(5, kv, d, 7), kt::kv_data(5, kv, d, 8), 5);
+    std::vector<float> mu(static_cast<std::size_t>(kv * d));
+    auto same_means = [&](int l) {
+      c.gpu.core().read_key_means(l, mu.data());
+      for (int h = 0; h < kv; ++h)
+        CHECK(std::memcmp(mu.data() + h * d, c.cpu.key_mean(l, h), static_cast<std::size_t>(d) * 4) == 0);
+    };
+    same_means(0);
+    same_means(1);
+    CHECK(mu[3] == 0.0f);
+    c.truncate(0);
+    c.append(0, kt::kv_data(3, kv, d, 9), kt::kv_data(3, kv, d, 10), 3);
+    same_means(0);
+    kt::require_same_bytes(c, 0);
+    kt::require_same_reads(c, 0);
+  }
+  if constexpr (!kivi) {
+    kt::run_multi_token<TestType, host_harness>(64, r, {64, 0});
+    kt::run_paged<TestType, host_paged_harness>(64, r);
+  }
+}
+
 TEST_CASE("cuda host: fp8 parameters (scale, no saturation)", "[cuda_host]") {
   kt::cpu_options<kvq::fp8_e4m3> o;
   o.key = {0.05f, kvq::fp8_overflow::no_saturate};
@@ -416,7 +488,7 @@ TEST_CASE("cuda host: the paged cache checks before it changes anything", "[cuda
 
 TEMPLATE_TEST_CASE("cuda host: caches save the CPU cache's bytes and load them", "[cuda_host][persist]", kvq::q8_0,
                    kvq::q4_0, kvq::fp8_e5m2, kvq::nvfp4, (kvq::kv_codecs<kvq::int8_sym, kvq::kivi_value<4>>),
-                   kvq::kivi<2>) {
+                   kvq::kivi<2>, (kvq::kv_codecs<kvq::centered<kvq::q4_0>, kvq::q8_0>)) {
   using flat_t = kvq::cuda_cache_core<TestType, host_runtime>;
   using paged_t = kvq::cuda_paged_cache_core<TestType, host_runtime>;
   typename flat_t::options o;

@@ -15,6 +15,8 @@
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 #include <kvq/core/cache_core.hpp>
 
 #include <algorithm>
@@ -83,6 +85,10 @@ struct shim_device {
     shim::dispatch_threads("kvq_decode", {kd::kernel_codec<C>::value, 0},
                            grid(static_cast<std::int64_t>(a.count) * a.head_dim),
                            {const_cast<kvq_decode_args*>(&a), layer, out});
+    return {};
+  }
+  auto copy_out(std::uint8_t* layer, std::size_t offset, void* dst, std::size_t bytes) const -> kvq::device_status {
+    std::memcpy(dst, layer + offset, bytes);
     return {};
   }
   auto move(std::uint8_t* layer, std::size_t region0, std::size_t head_stride, int kv_heads, kd::byte_move const& m,
@@ -175,6 +181,8 @@ class shim_cache {
   }
 
   auto last_plan() const -> launch_record const& { return last_; }
+  /// Centered keys: the key means of `l` (kv_heads x head_dim) in device memory.
+  void key_means(int l, float* out) { core_.read_key_means(l, out); }
 
  private:
   static auto grid(std::int64_t n) -> shim::size3 { return shim_device::grid(n); }
@@ -429,6 +437,41 @@ TEMPLATE_LIST_TEST_CASE("metal kernels match the scalar reference", "[metal]", a
       }
     }
   }
+}
+
+// Rotated codecs: the stored codec's kernels with R at the edges (kvq_source::rotate,
+// kvq_decode_args::unrotate, kvq_attention_args::rotation); keys or values alone, two seeds, the
+// tq codebooks, a KIVI residual of rotated rows.
+TEMPLATE_TEST_CASE("metal kernels rotated codecs match the scalar reference", "[metal][rotated]",
+                   kvq::rotated<kvq::q8_0>, (kvq::kv_codecs<kvq::rotated<kvq::q4_0>, kvq::f16_codec>),
+                   (kvq::kv_codecs<kvq::q8_0, kvq::tq4>), kvq::tq3,
+                   (kvq::kv_codecs<kvq::tq2, kvq::rotated<kvq::q4_0, 9>>),
+                   (kvq::kv_codecs<kvq::rotated<kvq::kivi_key<4>>, kvq::rotated<kvq::kivi_value<4>>>)) {
+  STATIC_REQUIRE(kvq::implements<typename kvq::codec_pair<TestType>::key, kvq::metal>::value);
+  STATIC_REQUIRE(kvq::implements<typename kvq::codec_pair<TestType>::value, kvq::metal>::value);
+  for (int d : {8, 80}) {
+    DYNAMIC_SECTION("head_dim " << d) { run_scenario<TestType>(d, 32, {}, d == 80); }
+  }
+}
+
+// Centered keys: the key means computed by the write kernel from a layer's first chunk (the CPU's
+// rule, bit for bit), subtracted before the rotation, added to reads, and the logit offset
+// scale * (q.mu) in the attention (soft-cap included).
+TEMPLATE_TEST_CASE("metal kernels centered keys match the scalar reference", "[metal][centered]",
+                   (kvq::kv_codecs<kvq::centered<kvq::q4_0>, kvq::q8_0>),
+                   (kvq::kv_codecs<kvq::centered<kvq::rotated<kvq::q4_0>>, kvq::f16_codec>)) {
+  STATIC_REQUIRE(kvq::implements<typename kvq::codec_pair<TestType>::key, kvq::metal>::value);
+  run_scenario<TestType>(80, 0, {});
+  int const kv = 2, d = 40;
+  pair_of_caches<TestType> c({1, kv, d, 64}, {});
+  auto k = kv_data(9, kv, d, 3);
+  for (float& x : k) x -= 2.5f;
+  c.append(0, kvq::token_major(k.data(), 9, kv, d), kvq::token_major(k.data(), 9, kv, d));
+  std::vector<float> mu(static_cast<std::size_t>(kv * d));
+  c.gpu.key_means(0, mu.data());
+  for (int h = 0; h < kv; ++h)
+    CHECK(std::memcmp(mu.data() + h * d, c.cpu.key_mean(0, h), static_cast<std::size_t>(d) * 4) == 0);
+  require_same_reads(c, 0);
 }
 
 TEST_CASE("metal kernels fp8 scale and overflow modes", "[metal]") {

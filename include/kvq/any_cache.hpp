@@ -173,7 +173,10 @@ KVQ_NAMESPACE_END
   X(0, "tq3", "tq3", tq3)                                                                               \
   X(0, "tq4", "tq4", tq4)                                                                               \
   X(1, "tq4", "tq3", kv_codecs<tq4, tq3>)                                                               \
-  X(2, "rot-q8_0", "tq4", kv_codecs<rotated<q8_0>, tq4>)
+  X(2, "rot-q8_0", "tq4", kv_codecs<rotated<q8_0>, tq4>)                                                \
+  X(0, "ctr-q4_0", "q4_0", kv_codecs<centered<q4_0>, q4_0>)                                             \
+  X(1, "ctr-rot-q4_0", "q4_0", kv_codecs<centered<rotated<q4_0>>, q4_0>)                                \
+  X(2, "ctr-rot-q4_0", "rot-q4_0", kv_codecs<centered<rotated<q4_0>>, rotated<q4_0>>)
 
 KVQ_NAMESPACE_BEGIN
 namespace detail {

@@ -31,6 +31,7 @@
 
 #include "backend/cpu/attention_kernels.hpp"
 #include "cache.hpp"
+#include "codec/centered.hpp"
 #include "codec/int8.hpp"
 #include "codec/q4_0.hpp"
 #include "codec/q8_0.hpp"
@@ -230,6 +231,7 @@ struct reference_attention {
             for (int c = 0; c < d; ++c) dot = madd_f32(qh[c], kr[c], dot);
           }
           float s = dot * call.scale;
+          if (call.row_offset != nullptr) s += call.row_offset[g];
           if (call.softcap > 0.0f) s = call.softcap * std::tanh(s / call.softcap);
           logits[i] = s;
         }
@@ -319,6 +321,41 @@ auto prepare_query(float const* q, int q_heads, int d, attention_options const& 
   return pq;
 }
 
+/// `call` with the logit offsets of a centered key codec KC (codec/centered.hpp): scale · (q·μ) for
+/// each of its rows of the prepared query q (rows of head_dim), μ (head_dim floats, the cache's
+/// key mean) taken into the query's space (rotated for a rotated KC); `offsets` holds them.
+/// Other key codecs: `call` unchanged.
+template <class KC>
+auto centered_call(cpu_kernels::attention_call call, float const* q, float const* mu, vector<float>& offsets)
+    -> cpu_kernels::attention_call {
+  if constexpr (centered_codec<KC>) {
+    int const d = call.head_dim;
+    vector<float> m(mu, mu + d);
+    side_rotation<KC>(d).forward_rows(m.data(), 1, d);
+    offsets.resize(static_cast<std::size_t>(call.group));
+    key_mean_offsets(q, call.group, d, m.data(), call.scale, offsets.data());
+    call.row_offset = offsets.data();
+  } else {
+    (void)q;
+    (void)mu;
+    (void)offsets;
+  }
+  return call;
+}
+
+/// The key mean of (layer, head) of a flat cache with a centered key codec, else nullptr.
+template <class Cache>
+auto flat_key_mean(Cache const& cache, int layer, int head) -> float const* {
+  if constexpr (centered_codec<typename Cache::key_codec>) {
+    return cache.key_mean(layer, head);
+  } else {
+    (void)cache;
+    (void)layer;
+    (void)head;
+    return nullptr;
+  }
+}
+
 /// The kernel inputs of an attention of `group` query heads per kv head under `opt`.
 inline auto attention_call_of(int d, int group, attention_options const& opt) -> cpu_kernels::attention_call {
   cpu_kernels::attention_call call;
@@ -375,13 +412,15 @@ auto attend_range_with(Cache const& cache, int layer, float const* q, int q_head
   cpu_kernels::attention_scratch scratch;
   scratch.reserve(d, group);
   std::size_t const hd = static_cast<std::size_t>(d);
+  vector<float> offsets;
   for (int kh = 0; kh < kv; ++kh) {
     std::size_t const h0 = static_cast<std::size_t>(kh) * static_cast<std::size_t>(group);
     cpu_kernels::attention_state state{part.out.data() + h0 * hd, part.max.data() + h0, part.sum.data() + h0};
     Kernel::template attend<stored_codec_t<key_codec>, stored_codec_t<value_codec>>(
         token_source_of(cache.key_storage(layer, kh)), cache.get_options().key,
-        token_source_of(cache.value_storage(layer, kh)), cache.get_options().value, call, pq.query(h0), pq.blocks(h0),
-        begin, end, state, scratch);
+        token_source_of(cache.value_storage(layer, kh)), cache.get_options().value,
+        centered_call<key_codec>(call, pq.query(h0), flat_key_mean(cache, layer, kh), offsets), pq.query(h0),
+        pq.blocks(h0), begin, end, state, scratch);
   }
   side_rotation<value_codec>(d).inverse_rows(part.out.data(), q_heads, d);  // once per head (linear)
   return part;
@@ -818,10 +857,12 @@ void attention_with(Cache const& cache, int layer, float const* q, std::int64_t 
       [&](int, int head, cpu_kernels::attention_call const& call, float const* qr, block_q8_0 const* qb,
           std::int64_t begin, std::int64_t end, cpu_kernels::attention_state const& state,
           cpu_kernels::attention_scratch& scratch) {
+        vector<float> offsets;
         Kernel::template attend<stored_codec_t<key_codec>, stored_codec_t<value_codec>>(
             token_source_of(cache.key_storage(layer, head)), cache.get_options().key,
-            token_source_of(cache.value_storage(layer, head)), cache.get_options().value, call, qr, qb, begin, end,
-            state, scratch);
+            token_source_of(cache.value_storage(layer, head)), cache.get_options().value,
+            centered_call<key_codec>(call, qr, flat_key_mean(cache, layer, head), offsets), qr, qb, begin, end, state,
+            scratch);
       });
 }
 

@@ -37,6 +37,7 @@
 // different layers may run concurrently; anything else needs external synchronisation.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -47,6 +48,7 @@
 #include "backend/backend.hpp"
 #include "backend/cpu/cpu_device.hpp"
 #include "backend/cpu/kernels.hpp"
+#include "codec/centered.hpp"
 #include "codec/codec.hpp"
 #include "codec/fp4.hpp"
 #include "codec/tq.hpp"
@@ -136,6 +138,7 @@ class QuantizedKVCache : public cache_codecs<Choice> {
   static_assert(require_implemented<key_codec_t, Backend>());
   static_assert(require_implemented<value_codec_t, Backend>());
   static_assert(std::is_same_v<Backend, cpu>, "kvq: QuantizedKVCache for this backend lives in its own header");
+  static_assert(!centered_codec<value_codec_t>, "kvq: centered<C> is a key codec (values are not centered)");
 
   /// Run-time options of a cache.
   struct options {
@@ -150,12 +153,15 @@ class QuantizedKVCache : public cache_codecs<Choice> {
   /// multiple of G; fp8 scales finite and > 0; the byte size within size_t), and propagates what
   /// the memory resource throws. `options::memory`, when set, must outlive the cache.
   explicit QuantizedKVCache(cache_shape const& shape, options const& opt = options{})
-      : opt_(opt), core_(shape, opt.residual, opt.key, opt.value, detail::cpu_device(opt.memory)) {}
+      : opt_(opt),
+        core_(shape, opt.residual, opt.key, opt.value, detail::cpu_device(opt.memory)),
+        means_(shape.layers, shape.kv_heads, shape.head_dim) {}
 
   QuantizedKVCache(QuantizedKVCache const&) = delete;
   QuantizedKVCache& operator=(QuantizedKVCache const&) = delete;
   /// Takes the storage of `o`, which is left with no layers (every layer index is out of range).
-  QuantizedKVCache(QuantizedKVCache&& o) noexcept : opt_(o.opt_), core_(std::move(o.core_)) {}
+  QuantizedKVCache(QuantizedKVCache&& o) noexcept
+      : opt_(o.opt_), core_(std::move(o.core_)), means_(std::move(o.means_)) {}
   QuantizedKVCache& operator=(QuantizedKVCache&&) = delete;
   ~QuantizedKVCache() = default;
 
@@ -175,9 +181,24 @@ class QuantizedKVCache : public cache_codecs<Choice> {
   void append(int layer, kv_tensor<T> const& keys, kv_tensor<T> const& values) {
     core_.check_append(layer, detail::describe(keys), detail::describe(values));
     int const type = detail::kernel_elem<T>();
-    core_.append_checked(layer, keys.tokens, keys.data,
-                         detail::kernel_source(type, keys.token_stride, keys.head_stride), values.data,
-                         detail::kernel_source(type, values.token_stride, values.head_stride), {});
+    if constexpr (centered_codec<key_codec_t>) {
+      if (keys.tokens == 0) return;
+      // The first append into an empty layer fixes μ; the stored keys are C(k − μ).
+      bool const first = core_.size(layer) == 0;
+      detail::vector<float> mu(means_.layer(layer), means_.layer(layer) + means_.per_layer());
+      if (first) detail::chunk_key_mean(keys, mu.data());
+      detail::vector<float> centered;
+      detail::centered_keys(keys, mu.data(), centered);
+      std::int64_t const row = static_cast<std::int64_t>(shape().kv_heads) * shape().head_dim;
+      core_.append_checked(layer, keys.tokens, centered.data(),
+                           detail::kernel_source(kvq_elem_f32, row, shape().head_dim), values.data,
+                           detail::kernel_source(type, values.token_stride, values.head_stride), {});
+      if (first) means_.fix(layer, mu.data());
+    } else {
+      core_.append_checked(layer, keys.tokens, keys.data,
+                           detail::kernel_source(type, keys.token_stride, keys.head_stride), values.data,
+                           detail::kernel_source(type, values.token_stride, values.head_stride), {});
+    }
   }
 
   /// Reads keys [first, first + count) of (layer, head) into out, rows `out_stride` elements apart
@@ -202,15 +223,40 @@ class QuantizedKVCache : public cache_codecs<Choice> {
   /// Keeps the first n tokens of every layer (speculative-decoding rollback); layers holding n or
   /// fewer tokens are unchanged. Cutting into a quantized KIVI key group dequantizes it (lossy).
   /// Raises invalid_argument_error for n < 0.
-  void truncate(std::int64_t n) { core_.truncate(n, {}); }
+  void truncate(std::int64_t n) {
+    core_.truncate(n, {});
+    clear_empty_means();
+  }
 
   /// Drops the oldest n tokens of every layer (sliding window). Raises index_error when a
   /// non-empty layer holds fewer than n tokens, unsupported_error for KIVI keys when n is not a
   /// multiple of G, invalid_argument_error for n < 0.
-  void shift_left(std::int64_t n) { core_.shift_left(n, {}); }
+  void shift_left(std::int64_t n) {
+    core_.shift_left(n, {});
+    clear_empty_means();
+  }
 
   /// Empties every layer.
-  void reset() noexcept { core_.reset(); }
+  void reset() noexcept {
+    core_.reset();
+    clear_empty_means();
+  }
+
+  /// The key mean μ of (layer, head) of a centered key codec (head_dim floats; zeros while the
+  /// layer is empty), nullptr for other key codecs. Raises index_error.
+  auto key_mean(int layer, int head) const -> float const* {
+    check_layer(layer);
+    check_head(head);
+    if constexpr (centered_codec<key_codec_t>) {
+      return means_.of(layer, head);
+    } else {
+      return nullptr;
+    }
+  }
+
+  /// The key means of every layer (centered key codecs; persistence).
+  auto key_means() noexcept -> detail::key_means_for<key_codec_t>& { return means_; }
+  auto key_means() const noexcept -> detail::key_means_for<key_codec_t> const& { return means_; }
 
   /// Memory use of this cache.
   auto memory() const noexcept -> memory_report { return core_.memory(); }
@@ -263,6 +309,8 @@ class QuantizedKVCache : public cache_codecs<Choice> {
                              std::int64_t stride) const {
     decode_unchecked<key_codec_t>(detail::key_region(core_.key_side(), core_.state(layer)), layer, head, first, count,
                                   out, stride, opt_.key);
+    if constexpr (centered_codec<key_codec_t>)
+      detail::add_key_mean(out, count, stride, shape().head_dim, means_.of(layer, head));
   }
 
   /// Decodes values [first, first + count) of (layer, head) to f32 rows `stride` apart. No checks:
@@ -298,12 +346,37 @@ class QuantizedKVCache : public cache_codecs<Choice> {
     core_.check_read(what, layer, head, first, count);
     std::int64_t const stride = detail::check_read_output(what, shape().head_dim, count, out, out_stride);
     // Reads change nothing: the core's read runs on the CPU device, which holds no state.
+    if constexpr (centered_codec<key_codec_t>) {
+      if (keys && count > 0) {  // decode + μ in f32, then one rounding to T
+        int const d = shape().head_dim;
+        detail::vector<float> rows(static_cast<std::size_t>(count) * static_cast<std::size_t>(d));
+        const_cast<core_type&>(core_).read_checked(true, layer, head, first, count, static_cast<void*>(rows.data()),
+                                                   kvq_elem_f32, d, {});
+        detail::add_key_mean(rows.data(), count, d, d, means_.of(layer, head));
+        for (std::int64_t i = 0; i < count; ++i) {
+          if constexpr (std::is_same_v<T, float>) {
+            std::copy_n(rows.data() + i * d, d, out + i * stride);
+          } else {
+            cpu_kernels::convert_from_f32(rows.data() + i * d, out + i * stride, d);
+          }
+        }
+        return;
+      }
+    }
     const_cast<core_type&>(core_).read_checked(keys, layer, head, first, count, static_cast<void*>(out),
                                                detail::kernel_elem<T>(), stride, {});
   }
 
+  /// Clears μ of the layers that hold no token.
+  void clear_empty_means() noexcept {
+    if constexpr (centered_codec<key_codec_t>)
+      for (int l = 0; l < shape().layers; ++l)
+        if (core_.state(l).length == 0) means_.clear(l);
+  }
+
   options opt_;
   core_type core_;
+  [[no_unique_address]] detail::key_means_for<key_codec_t> means_;
 };
 
 KVQ_NAMESPACE_END

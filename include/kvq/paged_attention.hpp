@@ -77,6 +77,7 @@ void attend_pages(Cache const& cache, int layer, sequence_id seq, int head, cpu_
   std::int64_t const ahead = std::min<std::int64_t>(pt, 2 * cpu_kernels::attention_kernel_tile);
   int const key_tokens_per_unit = key_codec::geometry(d).tokens;
   std::int64_t p = begin / pt;
+  vector<float> offsets;  // a centered key codec's logit offsets
   auto ks = page_source(core, true, st, layer, slot, table[static_cast<std::size_t>(p)], p, head);
   auto vs = page_source(core, false, st, layer, slot, table[static_cast<std::size_t>(p)], p, head);
   for (; p * pt < end; ++p) {
@@ -92,6 +93,8 @@ void attend_pages(Cache const& cache, int layer, sequence_id seq, int head, cpu_
       prefetch_page(nvs, 1, ahead);
     }
     call.token_offset = p * pt;
+    if constexpr (centered_codec<key_codec>)  // the sequence's μ: the same offsets on every page
+      if (offsets.empty()) call = centered_call<key_codec>(call, q, cache.key_mean(seq, layer, head), offsets);
     Kernel::template attend<stored_codec_t<key_codec>, stored_codec_t<value_codec>>(
         ks, core.key_options(), vs, core.value_options(), call, q, qb, lb, le, state, scratch);
     if (more) {

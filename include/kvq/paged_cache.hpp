@@ -29,6 +29,7 @@
 
 #include "backend/backend.hpp"
 #include "backend/cpu/cpu_device.hpp"
+#include "codec/centered.hpp"
 #include "core/paged_core.hpp"
 #include "error.hpp"
 #include "memory_resource.hpp"
@@ -92,6 +93,7 @@ class PagedKVCache : public cache_codecs<Choice> {
   static_assert(std::is_same_v<Backend, cpu>, "kvq: PagedKVCache for this backend lives in its own header");
   using key_codec = typename core_type::key_codec;
   using value_codec = typename core_type::value_codec;
+  static_assert(!centered_codec<value_codec>, "kvq: centered<C> is a key codec (values are not centered)");
 
   /// Run-time options of a paged cache (those of QuantizedKVCache).
   struct options {
@@ -105,7 +107,9 @@ class PagedKVCache : public cache_codecs<Choice> {
   /// rules; 1 <= pages < 2^31; 1 <= max_sequences <= 2^20; page_tokens in [1, 2^20] and a multiple
   /// of every KIVI group in use), and propagates what the memory resource throws.
   explicit PagedKVCache(paged_shape const& shape, options const& opt = options{})
-      : opt_(opt), core_(shape, opt.residual, opt.key, opt.value, detail::cpu_device(opt.memory)) {}
+      : opt_(opt),
+        core_(shape, opt.residual, opt.key, opt.value, detail::cpu_device(opt.memory)),
+        means_(shape.max_sequences * shape.layers, shape.kv_heads, shape.head_dim) {}
 
   PagedKVCache(PagedKVCache const&) = delete;
   PagedKVCache& operator=(PagedKVCache const&) = delete;
@@ -114,10 +118,28 @@ class PagedKVCache : public cache_codecs<Choice> {
   auto get_options() const noexcept -> options const& { return opt_; }
 
   /// Starts an empty sequence. Raises capacity_error when max_sequences are live.
-  auto add_sequence() -> sequence_id { return core_.add_sequence(); }
-  /// Starts a sequence sharing every page and token of `parent` (copy-on-write). Raises index_error
-  /// for an unknown or released parent, capacity_error when max_sequences are live.
-  auto fork(sequence_id parent) -> sequence_id { return core_.fork(parent, {}); }
+  auto add_sequence() -> sequence_id {
+    sequence_id const s = core_.add_sequence();
+    clear_empty_means(s);
+    return s;
+  }
+  /// Starts a sequence sharing every page and token of `parent` (copy-on-write), and its key means
+  /// (centered key codecs). Raises index_error for an unknown or released parent, capacity_error
+  /// when max_sequences are live.
+  auto fork(sequence_id parent) -> sequence_id {
+    sequence_id const s = core_.fork(parent, {});
+    if constexpr (centered_codec<key_codec>) {
+      int const from = core_.slot_index_of(parent) * shape().layers, to = core_.slot_index_of(s) * shape().layers;
+      for (int l = 0; l < shape().layers; ++l) {
+        if (means_.fixed(from + l)) {
+          means_.fix(to + l, means_.layer(from + l));
+        } else {
+          means_.clear(to + l);
+        }
+      }
+    }
+    return s;
+  }
   /// Ends `seq`, returning the pages no other sequence holds. Raises index_error for an unknown or
   /// released sequence.
   void release(sequence_id seq) { core_.release(seq); }
@@ -140,9 +162,25 @@ class PagedKVCache : public cache_codecs<Choice> {
   void append(sequence_id seq, int layer, kv_tensor<T> const& keys, kv_tensor<T> const& values) {
     core_.check_append(seq, layer, detail::describe(keys), detail::describe(values));
     int const type = detail::kernel_elem<T>();
-    core_.append_checked(seq, layer, keys.tokens, keys.data,
-                         detail::kernel_source(type, keys.token_stride, keys.head_stride), values.data,
-                         detail::kernel_source(type, values.token_stride, values.head_stride), {});
+    if constexpr (centered_codec<key_codec>) {
+      if (keys.tokens == 0) return;
+      // The first append into an empty layer of the sequence fixes μ; the stored keys are C(k − μ).
+      int const ml = mean_layer(seq, layer);
+      bool const first = core_.size(seq, layer) == 0;
+      detail::vector<float> mu(means_.layer(ml), means_.layer(ml) + means_.per_layer());
+      if (first) detail::chunk_key_mean(keys, mu.data());
+      detail::vector<float> centered;
+      detail::centered_keys(keys, mu.data(), centered);
+      std::int64_t const row = static_cast<std::int64_t>(shape().kv_heads) * shape().head_dim;
+      core_.append_checked(seq, layer, keys.tokens, centered.data(),
+                           detail::kernel_source(kvq_elem_f32, row, shape().head_dim), values.data,
+                           detail::kernel_source(type, values.token_stride, values.head_stride), {});
+      if (first) means_.fix(ml, mu.data());
+    } else {
+      core_.append_checked(seq, layer, keys.tokens, keys.data,
+                           detail::kernel_source(type, keys.token_stride, keys.head_stride), values.data,
+                           detail::kernel_source(type, values.token_stride, values.head_stride), {});
+    }
   }
 
   /// Reads keys [first, first + count) of (seq, layer, head) into out, rows `out_stride` elements
@@ -163,7 +201,41 @@ class PagedKVCache : public cache_codecs<Choice> {
   /// Keeps the first n tokens of every layer of `seq` (speculative-decoding rollback), returning the
   /// pages past the tokens it keeps (pages taken by `reserve` included). Raises index_error,
   /// invalid_argument_error for n < 0.
-  void truncate(sequence_id seq, std::int64_t n) { core_.truncate(seq, n, {}); }
+  void truncate(sequence_id seq, std::int64_t n) {
+    core_.truncate(seq, n, {});
+    clear_empty_means(seq);
+  }
+
+  /// The key mean μ of (seq, layer, head) of a centered key codec (head_dim floats; zeros while the
+  /// layer is empty), nullptr for other key codecs. Raises index_error.
+  auto key_mean(sequence_id seq, int layer, int head) const -> float const* {
+    core_.check_sequence(seq, "key_mean");
+    core_.check_layer(layer);
+    core_.check_head(head);
+    if constexpr (centered_codec<key_codec>) {
+      return means_.of(mean_layer(seq, layer), head);
+    } else {
+      return nullptr;
+    }
+  }
+
+  /// Sets the key means of the layers of `seq` from `mu` (layers × kv_heads × head_dim floats),
+  /// fixed where the layer holds tokens, cleared elsewhere (importing a saved sequence).
+  void restore_key_means(sequence_id seq, float const* mu) {
+    if constexpr (centered_codec<key_codec>) {
+      for (int l = 0; l < shape().layers; ++l) {
+        int const ml = mean_layer(seq, l);
+        if (core_.size(seq, l) > 0) {
+          means_.fix(ml, mu + static_cast<std::size_t>(l) * means_.per_layer());
+        } else {
+          means_.clear(ml);
+        }
+      }
+    } else {
+      (void)seq;
+      (void)mu;
+    }
+  }
 
   /// The page ids of `seq` in token order (valid until the next non-const call). Raises index_error.
   auto page_table(sequence_id seq) const -> std::span<std::int32_t const> {
@@ -203,8 +275,33 @@ class PagedKVCache : public cache_codecs<Choice> {
     core_.check_read(what, seq, layer, head, first, count);
     std::int64_t const stride = detail::check_read_output(what, shape().head_dim, count, out, out_stride);
     // Reads change nothing: the core's read runs on the CPU device, which holds no state.
+    if constexpr (centered_codec<key_codec>) {
+      if (keys && count > 0) {  // decode + μ in f32, then one rounding to T
+        int const d = shape().head_dim;
+        detail::vector<float> rows(static_cast<std::size_t>(count) * static_cast<std::size_t>(d));
+        const_cast<core_type&>(core_).read_checked(true, seq, layer, head, first, count,
+                                                   static_cast<void*>(rows.data()), kvq_elem_f32, d, {});
+        detail::add_key_mean(rows.data(), count, d, d, means_.of(mean_layer(seq, layer), head));
+        for (std::int64_t i = 0; i < count; ++i)
+          cpu_kernels::convert_from_f32(rows.data() + i * d, out + i * stride, d);
+        return;
+      }
+    }
     const_cast<core_type&>(core_).read_checked(keys, seq, layer, head, first, count, static_cast<void*>(out),
                                                detail::kernel_elem<T>(), stride, {});
+  }
+
+  /// The row of `means_` holding (seq, layer): slot-major.
+  auto mean_layer(sequence_id seq, int layer) const -> int { return core_.slot_index_of(seq) * shape().layers + layer; }
+
+  /// Clears μ of the layers of `seq` that hold no token.
+  void clear_empty_means(sequence_id seq) {
+    if constexpr (centered_codec<key_codec>) {
+      for (int l = 0; l < shape().layers; ++l)
+        if (core_.size(seq, l) == 0) means_.clear(mean_layer(seq, l));
+    } else {
+      (void)seq;
+    }
   }
 
   auto storage(bool keys, sequence_id seq, int layer, int head) const -> paged_storage_view {
@@ -234,6 +331,7 @@ class PagedKVCache : public cache_codecs<Choice> {
 
   options opt_;
   core_type core_;
+  [[no_unique_address]] detail::key_means_for<key_codec> means_;  // (max_sequences × layers) rows
 };
 
 KVQ_NAMESPACE_END

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -312,6 +313,71 @@ struct paged_storage {
   }
 };
 
+/// Copies the key means of (seq, layer) of a paged cache with centered keys (kv_heads × head_dim
+/// floats; a GPU cache's from the device) into `out`.
+template <class Paged>
+void paged_key_means(Paged& cache, sequence_id seq, int layer, float* out) {
+  auto& core = cache.core();
+  if constexpr (std::remove_cvref_t<decltype(core)>::device_means) {
+    core.read_key_means(seq, layer, out);
+  } else {
+    float const* mu = cache.key_mean(seq, layer, 0);
+    std::copy(mu,
+              mu + static_cast<std::size_t>(core.shape().kv_heads) * static_cast<std::size_t>(core.shape().head_dim),
+              out);
+  }
+}
+
+/// The key means of every layer of a flat cache (layers × kv_heads × head_dim floats) where its key
+/// codec is centered (a GPU cache's copied from the device), else empty.
+template <class Cache>
+auto flat_key_means(Cache const& cache) -> vector<float> {
+  if constexpr (centered_codec<typename Cache::key_codec>) {
+    auto& core = const_cast<std::remove_cvref_t<decltype(cache.core())>&>(cache.core());
+    auto const& s = core.shape();
+    std::size_t const per = static_cast<std::size_t>(s.kv_heads) * static_cast<std::size_t>(s.head_dim);
+    if constexpr (std::remove_cvref_t<decltype(core)>::device_means) {
+      vector<float> mu(static_cast<std::size_t>(s.layers) * per);
+      for (int l = 0; l < s.layers; ++l) core.read_key_means(l, mu.data() + static_cast<std::size_t>(l) * per);
+      return mu;
+    } else {
+      float const* mu = cache.key_means().layer(0);
+      return vector<float>(mu, mu + static_cast<std::size_t>(s.layers) * per);
+    }
+  } else {
+    (void)cache;
+    return {};
+  }
+}
+
+/// Sets the key means of a flat cache with centered keys from a loaded image (every layer: fixed
+/// where it holds tokens, cleared elsewhere; a GPU cache's written to the device).
+template <class Cache>
+void restore_flat_key_means(Cache& cache, saved_image const& img, saved_geometry const& g) {
+  if constexpr (centered_codec<typename Cache::key_codec>) {
+    vector<float> mu(g.key_means / 4);
+    for (std::size_t l = 0; l < img.states.size(); ++l) {
+      int const layer = static_cast<int>(l);
+      if constexpr (std::remove_cvref_t<decltype(cache.core())>::device_means) {
+        if (img.states[l].length == 0) continue;  // an empty layer's mean is fixed by its next append
+        saved_key_means(img, g, l, mu.data());
+        cache.core().write_key_means(layer, mu.data());
+      } else {
+        if (img.states[l].length == 0) {
+          cache.key_means().clear(layer);
+          continue;
+        }
+        saved_key_means(img, g, l, mu.data());
+        cache.key_means().fix(layer, mu.data());
+      }
+    }
+  } else {
+    (void)cache;
+    (void)img;
+    (void)g;
+  }
+}
+
 }  // namespace detail
 
 /// Bytes kvq::save writes for `cache`.
@@ -341,9 +407,10 @@ void save(Cache const& cache, W&& w) {
   detail::vector<detail::layer_state> states;
   for (int l = 0; l < s.layers; ++l) states.push_back(core.state(l));
   detail::flat_storage<core_type> const at{core};
+  detail::vector<float> const means = detail::flat_key_means(cache);  // centered keys
   detail::write_saved_image(
       core, h, e.geo, states, at, [&](int l, bool keys, int hd) { return at.residual(l, keys, hd); },
-      [&](std::span<std::byte const> b) { w.write(b); });
+      [&](std::span<std::byte const> b) { w.write(b); }, means.empty() ? nullptr : means.data());
 }
 
 /// Replaces the contents of `cache` with a saved cache (or an export from token 0) read from `r`.
@@ -362,6 +429,7 @@ void load_into(Cache& cache, R&& r) {
   detail::saved_expect const e = detail::flat_expect(core);
   detail::saved_image const img = detail::parse_saved_image(bytes, e, /*check_sections=*/false);
   detail::load_validated(core, img, e.geo);
+  detail::restore_flat_key_means(cache, img, e.geo);
 }
 
 /// A new CPU cache (QuantizedKVCache<Choice>) of the saved shape, codec options and contents read
@@ -403,6 +471,7 @@ auto load(R&& r, load_options const& opt = {}) -> Cache {
   });
   Cache cache(shape, o);
   detail::load_validated(cache.core(), img, e.geo);
+  detail::restore_flat_key_means(cache, img, e.geo);
   return cache;
 }
 
@@ -464,9 +533,16 @@ void export_sequence(Paged& cache, sequence_id seq, std::int64_t first, std::int
   h.page_tokens = static_cast<std::uint32_t>(s.page_tokens);
   h.first = static_cast<std::uint64_t>(first);
   detail::paged_storage<core_type> const at{core, core.slot_index_of(src), &core.page_table(src)};
+  detail::vector<float> means;  // centered keys: the sequence's μ, layer after layer
+  if constexpr (centered_codec<typename core_type::key_codec>) {
+    std::size_t const per = static_cast<std::size_t>(s.kv_heads) * static_cast<std::size_t>(s.head_dim);
+    means.resize(static_cast<std::size_t>(s.layers) * per);
+    for (int l = 0; l < s.layers; ++l)
+      detail::paged_key_means(cache, seq, l, means.data() + static_cast<std::size_t>(l) * per);
+  }
   detail::write_saved_image(
       core, h, e.geo, states, at, [&](int l, bool keys, int hd) { return at.residual(l, keys, hd); },
-      [&](std::span<std::byte const> b) { w.write(b); });
+      [&](std::span<std::byte const> b) { w.write(b); }, means.empty() ? nullptr : means.data());
 }
 
 /// Writes the whole sequence `seq` (export_sequence from token 0 to its size).
@@ -477,9 +553,13 @@ void export_sequence(Paged& cache, sequence_id seq, W&& w) {
 
 namespace detail {
 
-/// import_sequence into `seq` (seq < 0: a new sequence); returns the sequence's id.
-template <class Core, class R>
-auto import_saved(Core& core, sequence_id seq, R& r) -> sequence_id {
+/// import_sequence into `seq` (seq < 0: a new sequence) of paged cache `cache`; returns the
+/// sequence's id. Centered keys: the image's μ (every layer) becomes the sequence's; appended to a
+/// sequence, the image's μ must equal the sequence's where its layer holds tokens.
+template <class Paged, class R>
+auto import_saved(Paged& cache, sequence_id seq, R& r) -> sequence_id {
+  auto& core = cache.core();
+  using Core = std::remove_cvref_t<decltype(core)>;
   [[maybe_unused]] operation_scope<Core> const scope;
   core.check_usable();
   if (seq >= 0) core.check_sequence(seq, "import_sequence");
@@ -493,11 +573,32 @@ auto import_saved(Core& core, sequence_id seq, R& r) -> sequence_id {
   saved_image const img = parse_saved_image(bytes, e);
   std::int64_t const first = static_cast<std::int64_t>(img.header.first);
   core.check_adopt(seq, first, img.states);
+  vector<float> means(img.states.size() * (e.geo.key_means / 4));
+  if constexpr (centered_codec<typename Core::key_codec>) {
+    std::size_t const per = e.geo.key_means / 4;
+    for (std::size_t l = 0; l < img.states.size(); ++l) {
+      saved_key_means(img, e.geo, l, means.data() + l * per);
+      int const layer = static_cast<int>(l);
+      if (seq < 0 || core.size(seq, layer) == 0) continue;
+      vector<float> mine(per);
+      paged_key_means(cache, seq, layer, mine.data());
+      for (std::size_t i = 0; i < per; ++i)
+        if (std::bit_cast<std::uint32_t>(mine[i]) != std::bit_cast<std::uint32_t>(means[l * per + i]))
+          saved_fail("layer " + std::to_string(l) + ": the saved key means differ from the sequence's");
+    }
+  }
   sequence_id const id = core.adopt(seq, first, img.states);
   paged_storage<Core> const at{core, core.slot_index_of(id), &core.page_table(id)};
   vector<saved_copy> const all(img.states.size(), saved_copy::copy);
   copy_saved_image(
       core, img, e.geo, at, [&](int l, bool keys, int hd) { return at.residual(l, keys, hd); }, all);
+  if constexpr (Core::device_means) {
+    std::size_t const per = e.geo.key_means / 4;
+    for (std::size_t l = 0; l < img.states.size(); ++l)
+      if (core.size(id, static_cast<int>(l)) > 0) core.write_key_means(id, static_cast<int>(l), means.data() + l * per);
+  } else if constexpr (centered_codec<typename Core::key_codec>) {
+    cache.restore_key_means(id, means.data());
+  }
   return id;
 }
 
@@ -511,14 +612,14 @@ template <class Paged, byte_reader R>
 void import_sequence(Paged& cache, sequence_id seq, R&& r) {
   detail::check<index_error>(seq >= 0,
                              [&] { return "import_sequence: sequence " + std::to_string(seq) + " is unknown"; });
-  (void)detail::import_saved(cache.core(), seq, r);
+  (void)detail::import_saved(cache, seq, r);
 }
 
 /// A new sequence of `cache` holding the tokens of an export from token 0 (or of a saved flat
 /// cache) read from `r`; validates as import_sequence(cache, seq, r). Returns its id.
 template <class Paged, byte_reader R>
 auto import_sequence(Paged& cache, R&& r) -> sequence_id {
-  return detail::import_saved(cache.core(), -1, r);
+  return detail::import_saved(cache, -1, r);
 }
 
 KVQ_NAMESPACE_END

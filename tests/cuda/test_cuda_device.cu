@@ -3,6 +3,8 @@
 // the real kernels, plus the fp8 hardware conversions against the shared software path over every
 // f32 bit pattern. Without a GPU, main (cuda_main.cpp) exits with 4, which CTest reports as skipped.
 #include <kvq/backend/cuda/cuda_cache.cuh>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 
 #include <cuda_runtime.h>
 
@@ -394,6 +396,26 @@ TEMPLATE_TEST_CASE("cuda: multi-token attention matches the CPU kvq::attention",
                    kvq::fp8_e4m3, kvq::kivi<4>, kvq::f16_codec, (kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>)) {
   kt::run_multi_token<TestType, device_harness>(64, 32, {128, 64});
   kt::run_multi_token<TestType, device_harness>(128, 128);
+}
+
+TEMPLATE_TEST_CASE("cuda: rotated codecs match the CPU caches", "[rotated]", kvq::rotated<kvq::q4_0>,
+                   (kvq::kv_codecs<kvq::rotated<kvq::q8_0>, kvq::tq4>),
+                   (kvq::kv_codecs<kvq::rotated<kvq::kivi_key<4>>, kvq::rotated<kvq::kivi_value<4>>>)) {
+  int const r = kvq::codec_pair<TestType>::key::layout == kvq::codec_layout::token_group ? 32 : 0;
+  for (int d : {128, 80}) {
+    INFO("head_dim " << d);
+    kt::run_scenario<TestType, device_harness>(d, r, {}, {}, d == 128);
+  }
+  kt::run_multi_token<TestType, device_harness>(128, r);
+  kt::run_paged<TestType, device_paged_harness>(128, r);
+}
+
+TEMPLATE_TEST_CASE("cuda: centered keys match the CPU caches", "[centered]",
+                   (kvq::kv_codecs<kvq::centered<kvq::q4_0>, kvq::q8_0>),
+                   (kvq::kv_codecs<kvq::centered<kvq::rotated<kvq::q4_0>>, kvq::q4_0>)) {
+  kt::run_scenario<TestType, device_harness>(128, 0, {}, {}, true);
+  kt::run_multi_token<TestType, device_harness>(128, 0);
+  kt::run_paged<TestType, device_paged_harness>(128, 0);
 }
 
 TEMPLATE_TEST_CASE("cuda: bad arguments raise typed errors, cache unchanged", "[errors]", kvq::q4_0, kvq::kivi<4>,

@@ -14,12 +14,15 @@
 //     against the system's default Metal device.
 #include <kvq/attention.hpp>
 #include <kvq/cache.hpp>
+#include <kvq/codec/centered.hpp>
 #include <kvq/codec/fp8.hpp>
 #include <kvq/codec/int8.hpp>
 #include <kvq/codec/kivi.hpp>
 #include <kvq/codec/passthrough.hpp>
 #include <kvq/codec/q4_0.hpp>
 #include <kvq/codec/q8_0.hpp>
+#include <kvq/codec/rotated.hpp>
+#include <kvq/codec/tq.hpp>
 #include <kvq/paged_attention.hpp>
 #include <kvq/paged_cache.hpp>
 #include <kvq/persist.hpp>
@@ -824,6 +827,9 @@ void check_paged_chunks_choice(report& r, std::string const& name, int d, int re
 
 }  // namespace
 
+/// Centered keys (ctr-rot-q4_0) over q8_0 values: the checks above on the Metal caches.
+using ctr_rot_q4_0 = kvq::kv_codecs<kvq::centered<kvq::rotated<kvq::q4_0>>, kvq::q8_0>;
+
 auto run_metal_attention_checks(int head_dim) -> std::vector<std::string> {
   report r;
   NS::AutoreleasePool* pool = NS::AutoreleasePool::alloc()->init();
@@ -836,6 +842,9 @@ auto run_metal_attention_checks(int head_dim) -> std::vector<std::string> {
   check_paged_chunks_choice<kvq::q4_0>(r, "q4_0", head_dim, 0);
   check_paged_chunks_choice<kvq::kivi<4>>(r, "kivi4", head_dim, 32);
   check_paged_chunks_choice<kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>>(r, "q8_0/kivi2", head_dim, 32);
+  check_multi_token_choice<kvq::kv_codecs<kvq::rotated<kvq::q8_0>, kvq::tq4>>(r, "rot-q8_0/tq4", head_dim, 0);
+  check_paged_chunks_choice<kvq::kv_codecs<kvq::rotated<kvq::q8_0>, kvq::tq4>>(r, "rot-q8_0/tq4", head_dim, 0);
+  check_multi_token_choice<ctr_rot_q4_0>(r, "ctr-rot-q4_0/q8_0", head_dim, 0);
   pool->release();
   return r.failures;
 }
@@ -861,6 +870,12 @@ auto run_metal_cache_checks(int head_dim) -> std::vector<std::string> {
   check_persist_choice<kvq::fp8_e4m3>(r, "fp8_e4m3", head_dim, 0);
   check_persist_choice<kvq::kivi<4>>(r, "kivi4", head_dim, 32);
   check_persist_choice<kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<2>>>(r, "q8_0/kivi2", head_dim, 32);
+  check_persist_choice<ctr_rot_q4_0>(r, "ctr-rot-q4_0/q8_0", head_dim, 0);
+  check_choice<kvq::kv_codecs<kvq::rotated<kvq::q8_0>, kvq::tq4>>(r, "rot-q8_0/tq4", head_dim, 0);
+  check_paged_choice<kvq::kv_codecs<kvq::rotated<kvq::kivi_key<4>>, kvq::rotated<kvq::kivi_value<4>>>>(r, "rot-kivi4",
+                                                                                                       head_dim, 32);
+  check_choice<ctr_rot_q4_0>(r, "ctr-rot-q4_0/q8_0", head_dim, 0);
+  check_paged_choice<kvq::kv_codecs<kvq::centered<kvq::q4_0>, kvq::q4_0>>(r, "ctr-q4_0/q4_0", head_dim, 0);
   pool->release();
   return r.failures;
 }

@@ -22,7 +22,7 @@
 //   types       uint, ushort, uchar, ulong, uint2, uint3, half (_Float16 where the compiler has
 //               it, a soft-float struct otherwise: clang 14 has no _Float16 on x86-64);
 //   built-ins   as_type, threadgroup_barrier, simdgroup_barrier, simd_sum, simd_max, simd_min,
-//               simd_shuffle, simd_shuffle_down, simd_broadcast, metal::precise::exp/tanh;
+//               simd_shuffle, simd_shuffle_down, simd_broadcast, metal::precise::exp/sqrt/tanh;
 //   function constants (KVQ_METAL_FUNCTION_CONSTANT) read the values given to the dispatcher.
 // It also defines __METAL_VERSION__, so kvq's shared headers take their Metal branches.
 //
@@ -524,6 +524,7 @@ using std::tanh;
 
 namespace precise {
 using std::exp;
+using std::sqrt;
 using std::tanh;
 }  // namespace precise
 

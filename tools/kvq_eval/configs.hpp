@@ -44,6 +44,10 @@ inline auto default_configs() -> std::vector<config> {
   mixed("rot-q4_0", "q4_0");
   mixed("rot-q8_0", "rot-q4_0");
   mixed("rot-kivi4", "kivi4");
+  // Centered keys (codec/centered.hpp) beside the plain and rotated q4_0 keys.
+  mixed("ctr-q4_0", "q4_0");
+  mixed("ctr-rot-q4_0", "q4_0");
+  mixed("ctr-rot-q4_0", "rot-q4_0");
   return c;
 }
 

@@ -33,9 +33,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "../backend/backend.hpp"
+#include "../codec/centered.hpp"
 #include "../detail/host_vector.hpp"
 #include "../error.hpp"
 #include "checks.hpp"
@@ -123,6 +125,11 @@ class core_base : public cache_codecs<Choice> {
   static_assert(key_codec::layout == codec_layout::row || key_codec::layout == codec_layout::token_group);
   static_assert(value_codec::layout == codec_layout::row,
                 "kvq: value codecs must be row codecs (values are quantized per token)");
+  static_assert(!centered_codec<value_codec>, "kvq: centered<C> is a key codec (values are not centered)");
+
+  /// Centered keys on a GPU: the key means live in device memory beside the storage (the CPU
+  /// caches keep theirs on the host, codec/centered.hpp).
+  static constexpr bool device_means = centered_codec<key_codec> && !std::is_same_v<typename Device::backend_tag, cpu>;
 
   /// False once a device call failed: every later operation then raises device_error.
   auto usable() const noexcept -> bool { return failure_.empty(); }
@@ -175,6 +182,11 @@ class cache_core : public core_base<Choice, Device> {
     key_side_ = detail::make_cache_side<key_codec, false>(shape_, residual, key, 0, kl.bytes());
     value_side_ = detail::make_cache_side<value_codec, true>(shape_, residual, value, kv * kl.bytes(), vl.bytes());
     layer_bytes_ = kv * (kl.bytes() + vl.bytes());
+    if constexpr (base::device_means) {  // each layer's key means (kv_heads, head_dim) f32 after its storage
+      key_side_.device_means = true;
+      key_side_.means0 = (layer_bytes_ + storage_alignment - 1) / storage_alignment * storage_alignment;
+      means_bytes_ = kv * static_cast<std::size_t>(shape_.head_dim) * sizeof(float);
+    }
     layers_.reserve(static_cast<std::size_t>(shape_.layers));
     // Frees the layers allocated so far when an allocation raises (a guard rather than try/catch,
     // so that the header also compiles with exceptions disabled).
@@ -204,6 +216,7 @@ class cache_core : public core_base<Choice, Device> {
         key_side_(o.key_side_),
         value_side_(o.value_side_),
         layer_bytes_(o.layer_bytes_),
+        means_bytes_(o.means_bytes_),
         layers_(std::move(o.layers_)),
         state_(std::move(o.state_)) {
     o.layers_.clear();
@@ -265,8 +278,15 @@ class cache_core : public core_base<Choice, Device> {
                       stream_type stream) {
     if (n == 0) return;
     auto& st = state_[static_cast<std::size_t>(layer)];
-    auto const plan = detail::plan_append(key_side_, value_side_, shape_.head_dim, shape_.kv_heads, st, n, ks, vs);
     layer_type const l = layers_[static_cast<std::size_t>(layer)];
+    if constexpr (base::device_means) {  // the first chunk into an empty layer fixes mu; keys are stored less mu
+      if (st.length == 0)
+        succeed(dev_.template write<key_codec>(
+            detail::key_mean_step(shape_.head_dim, shape_.kv_heads, n, ks, key_side_.means0), l, keys, stream));
+      ks.mean = 1;
+      ks.mean0 = key_side_.means0;
+    }
+    auto const plan = detail::plan_append(key_side_, value_side_, shape_.head_dim, shape_.kv_heads, st, n, ks, vs);
     for (int i = 0; i < plan.count; ++i) {
       auto const& s = plan.steps[i];
       if (s.values) {
@@ -298,6 +318,10 @@ class cache_core : public core_base<Choice, Device> {
         decode_arguments(keys ? detail::key_region(key_side_, st) : detail::value_region(value_side_, st), head, first,
                          count, out_type, stride);
     a.unrotate = keys ? rotated_codec<key_codec> : rotated_codec<value_codec>;  // reads return Rᵀ decode
+    if (keys && key_side_.device_means) {  // centered keys: reads return decode + mu
+      a.add_mean = 1;
+      a.mean0 = key_side_.means0;
+    }
     layer_type const l = layers_[static_cast<std::size_t>(layer)];
     if (keys) {
       succeed(dev_.template decode<key_codec>(a, l, out, stream));
@@ -378,6 +402,27 @@ class cache_core : public core_base<Choice, Device> {
     for (auto& st : state_) st = detail::layer_state{};
   }
 
+  /// Centered keys on a GPU: copies the key means of `layer` (kv_heads x head_dim f32) into host
+  /// memory `out` once the device's work is done; zeros while the layer is empty (its mean is
+  /// fixed by the next append). Raises index_error, device_error.
+  void read_key_means(int layer, float* out) {
+    static_assert(base::device_means, "kvq: only centered keys of a GPU cache have device key means");
+    check_usable();
+    std::size_t const n = means_bytes_ / sizeof(float);
+    if (size(layer) == 0) {
+      for (std::size_t i = 0; i < n; ++i) out[i] = 0.0f;
+      return;
+    }
+    succeed(dev_.copy_out(layers_[static_cast<std::size_t>(layer)], key_side_.means0, out, means_bytes_));
+  }
+
+  /// Centered keys on a GPU: sets the key means of `layer` (checked) from host memory `mu`
+  /// (kv_heads x head_dim f32), for a layer that holds tokens (loading a saved cache); waits.
+  void write_key_means(int layer, float const* mu) {
+    static_assert(base::device_means, "kvq: only centered keys of a GPU cache have device key means");
+    succeed(dev_.copy_in(layers_[static_cast<std::size_t>(layer)], key_side_.means0, mu, means_bytes_));
+  }
+
   /// Non-owning view of the key storage of (layer, head), at the device's addresses; its pointers
   /// stay valid until the cache is destroyed or moved from, its counters until the next non-const
   /// call. Raises index_error.
@@ -434,7 +479,10 @@ class cache_core : public core_base<Choice, Device> {
     return s;
   }
 
-  auto alloc_bytes() const -> std::size_t { return layer_bytes_ == 0 ? storage_alignment : layer_bytes_; }
+  auto alloc_bytes() const -> std::size_t {
+    if (means_bytes_ > 0) return key_side_.means0 + means_bytes_;
+    return layer_bytes_ == 0 ? storage_alignment : layer_bytes_;
+  }
 
   Device dev_;
   cache_shape shape_;
@@ -444,6 +492,7 @@ class cache_core : public core_base<Choice, Device> {
   detail::cache_side key_side_;
   detail::cache_side value_side_;
   std::size_t layer_bytes_ = 0;
+  std::size_t means_bytes_ = 0;  // device key means of one layer (centered keys on a GPU), else 0
   detail::vector<layer_type> layers_;
   detail::vector<detail::layer_state> state_;
 };

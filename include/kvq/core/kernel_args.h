@@ -18,7 +18,10 @@
 #endif
 
 /// Codec of a kernel: a template argument of the CUDA kernels, a function constant of the Metal
-/// pipelines, so every codec switch of the kernel bodies folds away.
+/// pipelines, so every codec switch of the kernel bodies folds away. A rotated codec
+/// (FORMATS.md §6.1) runs the kernels of its stored codec; the rotation is an argument (the
+/// region's seed and the flags of kvq_source::rotate, kvq_decode_args::unrotate and
+/// kvq_attention_args::rotation).
 enum kvq_codec_id : int32_t {
   kvq_codec_f32 = 0,
   kvq_codec_f16 = 1,
@@ -35,6 +38,9 @@ enum kvq_codec_id : int32_t {
   kvq_codec_kivi_key8 = 12,
   kvq_codec_mxfp4 = 13,  ///< ggml MXFP4: blocks of 32, E8M0 scale, E2M1 codes
   kvq_codec_nvfp4 = 14,  ///< ggml NVFP4: blocks of 64, four UE4M3 scales, E2M1 codes
+  kvq_codec_tq2 = 15,    ///< tq codebook of rotated rows (FORMATS.md §6.2), 2-bit
+  kvq_codec_tq3 = 16,
+  kvq_codec_tq4 = 17,
 };
 
 /// Element type of a kernel's input (appended keys/values) or output (decoded rows).
@@ -67,7 +73,7 @@ struct kvq_region {
   int32_t residual_first;    ///< residual row of token `quantized`
   float codec_scale;         ///< fp8, mxfp4, nvfp4: code = codec(x / scale), value = codec * scale
   int32_t fp8_saturate;      ///< fp8 codecs: 1 saturates overflow to ±max finite, 0 does not
-  int32_t reserved;
+  uint32_t rotation_seed;    ///< rotated codecs: the seed of R (used where an operation's flag says so)
 };
 static_assert(sizeof(kvq_region) == 64, "kvq_region must be 64 bytes on every compiler");
 
@@ -85,9 +91,12 @@ struct kvq_source {
   int32_t from_residual;   ///< batch rows [0, from_residual) come from the residual rows
   int32_t residual_first;  ///< residual row of batch row 0
   int32_t round_f16;       ///< 1: input values are rounded to f16 before they are encoded
+  int32_t rotate;          ///< 1: input rows are rotated by R (dst.rotation_seed) first; residual rows never
+  uint64_t mean0;          ///< centered keys: byte offset in the allocation of kv_head 0's key mean (head_dim f32)
+  int32_t mean;            ///< 1: the key mean of kv_head h is subtracted from input rows first (before R)
   int32_t reserved;
 };
-static_assert(sizeof(kvq_source) == 40, "kvq_source must be 40 bytes on every compiler");
+static_assert(sizeof(kvq_source) == 56, "kvq_source must be 56 bytes on every compiler");
 
 /// Arguments of the write kernels (buffers: the layer allocation, the input).
 ///
@@ -96,6 +105,9 @@ static_assert(sizeof(kvq_source) == 40, "kvq_source must be 40 bytes on every co
 ///                     [jG, jG + G) -> tile first + j
 ///   store_f16_rows:   threads (kv_heads, count, head_dim); batch row i of head h -> f16 residual
 ///                     row (first + i) % residual_rows
+///   key means (store_f16_rows with mode kvq_write_key_mean): threads (kv_heads, head_dim); the
+///                     mean of channel c of kv_head h over input tokens [0, count) -> the f32 at
+///                     byte src.mean0 + 4 (h head_dim + c)
 struct kvq_write_args {
   kvq_region dst;
   kvq_source src;
@@ -104,9 +116,15 @@ struct kvq_write_args {
   int32_t count;   ///< batch rows per kv_head
   int32_t first;   ///< destination unit (row or tile) or residual row of batch row 0
   int32_t blocks;  ///< blocks per encoded row (encode_rows)
-  int32_t reserved;
+  int32_t mode;    ///< kvq_write_mode: store_f16_rows's own work, or the key means
 };
-static_assert(sizeof(kvq_write_args) == 128, "kvq_write_args must be 128 bytes on every compiler");
+static_assert(sizeof(kvq_write_args) == 144, "kvq_write_args must be 144 bytes on every compiler");
+
+/// What the codec-independent write kernel (store_f16_rows) does (kvq_write_args::mode).
+enum kvq_write_mode : int32_t {
+  kvq_write_rows = 0,      ///< f16 residual / window rows
+  kvq_write_key_mean = 1,  ///< the key means of a centered key codec, from the first chunk of a layer
+};
 
 /// Arguments of the decode kernel (buffers: the layer allocation, the output): tokens
 /// [first, first + count) of kv_head `head` to rows of `out_type`, `out_stride` elements apart.
@@ -119,9 +137,12 @@ struct kvq_decode_args {
   int32_t first;
   int32_t count;
   int32_t out_type;
-  int32_t unrotate;  ///< 1: un-rotate the decoded rows (reads of a rotated codec, CPU); 0: as stored
+  int32_t unrotate;  ///< 1: un-rotate the decoded rows by R (src.rotation_seed): reads of a rotated codec
+  uint64_t mean0;    ///< centered keys: byte offset of kv_head 0's key mean (head_dim f32) in the allocation
+  int32_t add_mean;  ///< 1: add the key mean of `head` to each decoded (un-rotated) value before the rounding
+  int32_t reserved;
 };
-static_assert(sizeof(kvq_decode_args) == 96, "kvq_decode_args must be 96 bytes on every compiler");
+static_assert(sizeof(kvq_decode_args) == 112, "kvq_decode_args must be 112 bytes on every compiler");
 
 /// One sequence of an attention launch: the codec state of its layer, its attended tokens and,
 /// in a paged cache, its page table and residual rows.
@@ -136,8 +157,18 @@ struct kvq_attention_seq {
   int32_t first_pos;             ///< position of the launch's query token 0 (decode: length - 1)
   uint64_t key_residual0;        ///< the key region's `residual0` (paged: the sequence's residual slot)
   uint64_t value_residual0;      ///< the value region's `residual0`
+  uint64_t key_mean0;            ///< centered keys: byte offset of kv_head 0's key mean in the key allocation
 };
-static_assert(sizeof(kvq_attention_seq) == 48, "kvq_attention_seq must be 48 bytes on every compiler");
+static_assert(sizeof(kvq_attention_seq) == 56, "kvq_attention_seq must be 56 bytes on every compiler");
+
+/// The rotated sides of an attention (kvq_attention_args::rotation): the query of each row is
+/// rotated by the key side's R once, before any q8_0 rounding; each row's partial output is
+/// un-rotated by the value side's R once, before it is written (R^T is linear, so it commutes
+/// with the combine and the normalisation).
+enum kvq_rotation_flags : int32_t {
+  kvq_rotate_query = 1,
+  kvq_unrotate_output = 2,
+};
 
 /// Custom mask of a multi-token attention (kvq_attention_args::mask).
 enum kvq_mask_type : int32_t {
@@ -172,23 +203,25 @@ struct kvq_attention_args {
   int32_t q_heads;
   int32_t split_tokens;  ///< tokens per split (a multiple of tile)
   int32_t splits;
-  int32_t tile;         ///< tokens decoded per step (<= 32)
-  int32_t heads;        ///< query heads per block
-  int32_t chunks;       ///< blocks per kv_head along the query heads
-  float scale;          ///< softmax scale (resolved: never 0)
-  float softcap;        ///< > 0: logit = softcap * tanh(logit / softcap)
-  int32_t query_q8_0;   ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
-  int32_t probs_f16;    ///< 1: probabilities are rounded to f16 before they multiply V
-  uint64_t page_bytes;  ///< paged: bytes between consecutive pages of the pool
-  int32_t page_tokens;  ///< paged: tokens per page; 0 for a flat cache (one region per layer)
-  int32_t n_q;          ///< query tokens per sequence (1: decode)
-  int32_t causal;       ///< 1: query token i attends no token past its position
-  int32_t window;       ///< > 0: query token i attends only the `window` tokens up to its position
-  int32_t mask;         ///< kvq_mask_type of the mask buffer
-  int32_t reserved;
+  int32_t tile;          ///< tokens decoded per step (<= 32)
+  int32_t heads;         ///< query heads per block
+  int32_t chunks;        ///< blocks per kv_head along the query heads
+  float scale;           ///< softmax scale (resolved: never 0)
+  float softcap;         ///< > 0: logit = softcap * tanh(logit / softcap)
+  int32_t query_q8_0;    ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
+  int32_t probs_f16;     ///< 1: probabilities are rounded to f16 before they multiply V
+  uint64_t page_bytes;   ///< paged: bytes between consecutive pages of the pool
+  int32_t page_tokens;   ///< paged: tokens per page; 0 for a flat cache (one region per layer)
+  int32_t n_q;           ///< query tokens per sequence (1: decode)
+  int32_t causal;        ///< 1: query token i attends no token past its position
+  int32_t window;        ///< > 0: query token i attends only the `window` tokens up to its position
+  int32_t mask;          ///< kvq_mask_type of the mask buffer
+  int32_t rotation;      ///< kvq_rotation_flags: rotated key / value side (seeds in the regions)
   uint64_t mask_stride;  ///< elements between the mask rows of consecutive query tokens
+  int32_t key_mean;      ///< 1: centered keys: row r's logit gets scale * (q_r . mu) (mu in q's space) before softcap
+  int32_t reserved;
 };
-static_assert(sizeof(kvq_attention_args) == 216, "kvq_attention_args must be 216 bytes on every compiler");
+static_assert(sizeof(kvq_attention_args) == 224, "kvq_attention_args must be 224 bytes on every compiler");
 
 /// Arguments of the combine kernel: merges `splits` partial states per (sequence, row) in split
 /// order and writes the normalised output (batch, rows, head_dim), rows = q_heads (n_q * q_heads
@@ -216,6 +249,7 @@ struct kvq_attention_smem {
   int32_t corr;    ///< (heads) rescale factor of the current tile
   int32_t qd;      ///< (heads, blocks) q8_0 query scales (query_q8_0 only)
   int32_t qcodes;  ///< (heads, blocks, 32) q8_0 query codes as bytes (query_q8_0 only)
+  int32_t off;     ///< (heads) logit offsets of centered keys (scale * q.mu)
   int32_t total;   ///< floats in all, a multiple of 4 (Metal wants 16-byte multiples)
 };
 
@@ -235,7 +269,8 @@ KVQ_HOST_DEVICE kvq_attention_smem kvq_attention_smem_layout(int32_t head_dim, i
   s.corr = s.l + heads;
   s.qd = s.corr + heads;
   s.qcodes = s.qd + (query_q8_0 != 0 ? heads * blocks : 0);
-  const int32_t end = s.qcodes + (query_q8_0 != 0 ? heads * blocks * 8 : 0);  // 32 codes = 8 floats per block
+  s.off = s.qcodes + (query_q8_0 != 0 ? heads * blocks * 8 : 0);  // 32 codes = 8 floats per block
+  const int32_t end = s.off + heads;
   s.total = (end + 3) / 4 * 4;
   return s;
 }

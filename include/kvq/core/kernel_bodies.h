@@ -16,7 +16,16 @@
 // sm_89+ (bit-identical to the software path) and the block barrier, which the attention takes
 // from its `Threads` policy (see attention_block). No lambdas, no `if constexpr`, no exceptions.
 //
-//   encode_rows_thread       one block of one row of a row codec (q8_0/q4_0: 32 channels; int8: a
+// Rotated codecs (FORMATS.md §6.1) run their stored codec's bodies with the rotation R at the
+// edges, as the CPU cache: the write kernels encode R x of every input row (residual rows are
+// stored rotated), decode un-rotates on request (reads), and the attention rotates each query row
+// once with the key side's seed and un-rotates each partial output row once with the value side's.
+// Every rotated value is the one detail::rotate_forward_signs computes, bit for bit: the write and
+// decode threads, which see one element or block, evaluate each coordinate they need through its
+// own branch of the butterfly tree (rotated_coordinate: n - 1 rounded adds for a rotation block of
+// n, in the butterflies' order), the attention whole rows in block-shared memory.
+//
+//   encode_rows_thread       one block of one row of a row codec (q8_0/q4_0: 32 channels; int8, tq: a
 //                            row; f32/f16/fp8: a channel; KIVI values: a group of channels)
 //   encode_key_tiles_thread  one channel of one KIVI key tile of G tokens
 //   store_f16_rows_thread    one element of the KIVI key residual / value window (f16)
@@ -34,7 +43,9 @@
 #include "../detail/math_ggml.h"
 #include "../detail/math_int8.h"
 #include "../detail/math_kivi.h"
+#include "../detail/math_tq.h"
 #include "../detail/numeric.h"
+#include "../detail/rotation.h"
 #include "kernel_args.h"
 
 #if !defined(__METAL_VERSION__)
@@ -138,6 +149,11 @@ KVQ_HOST_DEVICE float tanh_f32(float x) {
 #endif
 }
 
+/// Bits of a tq codebook codec.
+KVQ_HOST_DEVICE int tq_bits(int codec) { return codec - kvq_codec_tq2 + 2; }
+
+KVQ_HOST_DEVICE bool is_tq(int codec) { return codec >= kvq_codec_tq2 && codec <= kvq_codec_tq4; }
+
 /// Bits of a KIVI codec.
 KVQ_HOST_DEVICE int kivi_bits(int codec) {
   return (codec == kvq_codec_kivi_key2 || codec == kvq_codec_kivi_value2)   ? 2
@@ -209,24 +225,131 @@ KVQ_HOST_DEVICE float fp8_e5m2_decode(u8 code, float scale) { return kd::e5m2_to
 
 // ---- rows of input ---------------------------------------------------------------------------------
 
-/// A row of head_dim input values: its first element, element type and whether values pass
-/// through f16 first. Rows of an f16 residual are rows of type f16.
+/// A row of head_dim input values: its first element, element type, whether values pass through
+/// f16 first, whether the row is rotated by R (seed) first and the key mean subtracted before that
+/// (centered keys; null: none). Rows of an f16 residual are rows of type f16 (stored centered and
+/// rotated: never again).
 struct row_ref {
   KVQ_GLOBAL const u8* p;
   int type;
   int round;
+  int rotate;
+  int head_dim;
+  kd::u64 seed;
+  KVQ_GLOBAL const float* mean;
 };
 
-/// Value of channel c of a row, as the CPU cache reads it (widened to f32, then f16-rounded for
-/// KIVI). Rows are aligned to their element type (user input, f16 residual rows): typed loads.
-KVQ_HOST_DEVICE float row_value(row_ref r, int c) {
-  float x;
+/// Channel c of a row widened to f32, less the key mean where the row has one (x - mu, one
+/// rounding, as the CPU cache's centered rows). Rows are aligned to their element type (user
+/// input, f16 residual rows): typed loads.
+KVQ_HOST_DEVICE float input_value(row_ref r, int c) {
+  float x = 0.0f;
   if (r.type == kvq_elem_f32) {
     x = reinterpret_cast<KVQ_GLOBAL const float*>(r.p)[c];
   } else {
     const u16 h = reinterpret_cast<KVQ_GLOBAL const u16*>(r.p)[c];
     x = r.type == kvq_elem_f16 ? kd::f16_bits_to_f32(h) : kd::bf16_bits_to_f32(h);
   }
+  return r.mean != nullptr ? kd::add_rn(x, -r.mean[c]) : x;
+}
+
+// ---- the rotation R (FORMATS.md §6.1) --------------------------------------------------------------
+
+/// Output c (0 <= c < n) of the butterfly stages h = 1, 2, ..., n/2 of one rotation block of n
+/// leaves (leaves.at(j), j = 0, 1, ... in turn), computed alone: the stages pair (u_i, u_(i+h))
+/// into (u_i + u_(i+h), u_i - u_(i+h)), so output c is a binary tree over the leaves in index
+/// order whose node at stage h adds or subtracts (bit h of c) its upper half to its lower half.
+/// The tree is walked leaf by leaf with a stack of partial results (at most log2(n) + 1 of them),
+/// each node the same rounded add as in detail::rotation_butterflies, so the result is theirs bit
+/// for bit.
+template <class Leaves>
+KVQ_HOST_DEVICE float butterfly_output(Leaves leaves, int n, int c) {
+  float stack[20];  // head_dim <= 65536: blocks of at most 2^16 leaves
+  int top = 0;
+  for (int j = 0; j < n; ++j) {
+    float v = leaves.at(j);
+    for (int k = 0; ((j >> k) & 1) != 0; ++k) {
+      const float lower = stack[--top];
+      v = ((c >> k) & 1) != 0 ? kd::add_rn(lower, -v) : kd::add_rn(lower, v);
+    }
+    stack[top++] = v;
+  }
+  return stack[0];
+}
+
+/// The sign word of channel i under `seed`, computed once per 64 channels: `index` is the word
+/// held in `word` (-1: none yet).
+struct sign_words {
+  kd::u64 seed;
+  int index;
+  kd::u64 word;
+  KVQ_HOST_DEVICE float apply(float x, int i) {
+    if (i / 64 != index) {
+      index = i / 64;
+      word = kd::rotation_sign_word(seed, index);
+    }
+    return kd::rotation_apply_sign(x, word, i % 64);
+  }
+};
+
+KVQ_HOST_DEVICE sign_words make_sign_words(kd::u64 seed) {
+  sign_words s;
+  s.seed = seed;
+  s.index = -1;
+  s.word = 0;
+  return s;
+}
+
+/// The leaves of R x over the rotation block at channel o of an input row: s_i x_i.
+struct input_leaves {
+  row_ref x;
+  int o;
+  sign_words signs;
+  KVQ_HOST_DEVICE float at(int j) { return signs.apply(input_value(x, o + j), o + j); }
+};
+
+/// Channel c of R x for an input row x, as detail::rotate_forward_signs: the butterflies of c's
+/// rotation block over s_i x_i, times c_n.
+KVQ_HOST_DEVICE float rotated_coordinate(row_ref x, int c) {
+  const int o = kd::rotation_block_start(x.head_dim, c);
+  const int n = kd::rotation_block_size(x.head_dim, o);
+  input_leaves leaves;
+  leaves.x = x;
+  leaves.o = o;
+  leaves.signs = make_sign_words(x.seed);
+  return kd::mul_rn(butterfly_output(leaves, n, c - o), kd::rotation_scale(n));
+}
+
+/// Applies R (inverse false) or R^T (inverse true) to a row x: (head_dim) in block-shared memory,
+/// as detail::rotate_forward_signs / rotate_inverse_signs: signs, butterflies per rotation block,
+/// times c_n (R^T: the signs last).
+KVQ_HOST_DEVICE void rotate_shared_row(KVQ_SHARED float* x, int head_dim, kd::u64 seed, bool inverse) {
+  sign_words signs = make_sign_words(seed);
+  if (!inverse)
+    for (int i = 0; i < head_dim; ++i) x[i] = signs.apply(x[i], i);
+  for (int o = 0; o < head_dim;) {
+    const int n = kd::rotation_block_size(head_dim, o);
+    KVQ_SHARED float* u = x + o;
+    for (int h = 1; h < n; h *= 2)
+      for (int s = 0; s < n; s += 2 * h)
+        for (int i = s; i < s + h; ++i) {
+          const float a = u[i];
+          const float b = u[i + h];
+          u[i] = kd::add_rn(a, b);
+          u[i + h] = kd::add_rn(a, -b);
+        }
+    const float cn = kd::rotation_scale(n);
+    for (int i = 0; i < n; ++i) u[i] = kd::mul_rn(u[i], cn);
+    o += n;
+  }
+  if (inverse)
+    for (int i = 0; i < head_dim; ++i) x[i] = signs.apply(x[i], i);
+}
+
+/// Value of channel c of a row, as the CPU cache reads it: widened to f32, rotated (a rotated
+/// codec's input row), then f16-rounded for KIVI.
+KVQ_HOST_DEVICE float row_value(row_ref r, int c) {
+  const float x = r.rotate != 0 ? rotated_coordinate(r, c) : input_value(r, c);
   return r.round != 0 ? round_f16_satfinite(x) : x;
 }
 
@@ -239,6 +362,8 @@ KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8
     r.p = residual_ptr(layer, a.dst, h) + static_cast<i64>(row) * static_cast<i64>(a.head_dim) * 2;
     r.type = kvq_elem_f16;
     r.round = 0;
+    r.rotate = 0;      // stored rotated
+    r.mean = nullptr;  // stored centered
   } else {
     const i64 token = static_cast<i64>(a.src.first + i - a.src.from_residual);
     r.p = input +
@@ -246,7 +371,13 @@ KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8
               elem_bytes(a.src.type);
     r.type = a.src.type;
     r.round = a.src.round_f16;
+    r.rotate = a.src.rotate;
+    r.mean = a.src.mean != 0 ? reinterpret_cast<KVQ_GLOBAL const float*>(layer + static_cast<i64>(a.src.mean0)) +
+                                   static_cast<i64>(h) * a.head_dim
+                             : nullptr;
   }
+  r.head_dim = a.head_dim;
+  r.seed = a.dst.rotation_seed;
   return r;
 }
 
@@ -413,6 +544,63 @@ KVQ_HOST_DEVICE void encode_nvfp4(row_ref x, int head_dim, int b, float scale, K
   }
 }
 
+/// Reduces 32 partial sums in place, p_l += p_(l+16) for l < 16, then +8, +4, +2, +1, and returns
+/// p_0 (FORMATS.md §6.2 step 2, as detail::tq_reduce_partials).
+KVQ_HOST_DEVICE float reduce_partials(KVQ_THREAD float* p) {
+  for (int w = 16; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) p[l] = kd::add_rn(p[l], p[l + w]);
+  return p[0];
+}
+
+/// Encodes a whole (rotated) row as a tq codebook row of `bits` bits (FORMATS.md §6.2 steps 2-8):
+/// the f16 scales of its rotation blocks, then the codes of every coordinate as one LSB-first bit
+/// stream. As detail::tq_encode_row.
+KVQ_HOST_DEVICE void encode_tq(row_ref x, int head_dim, int bits, KVQ_GLOBAL u8* row) {
+  const int blocks = kd::rotation_block_count(head_dim);
+  KVQ_GLOBAL u8* codes = row + 2 * blocks;
+  const int code_bytes = (bits * head_dim + 7) / 8;
+  for (int k = 0; k < code_bytes; ++k) codes[k] = 0;
+  bool finite = true;
+  for (int i = 0; i < head_dim && finite; ++i) finite = kd::is_finite_f32(row_value(x, i));
+  if (!finite) {
+    for (int b = 0; b < blocks; ++b) st_u16(row + 2 * b, kd::tq_poisoned_scale);
+    return;
+  }
+  const int levels = 1 << bits;
+  float boundary[15];
+  for (int j = 0; j + 1 < levels; ++j) boundary[j] = kd::tq_boundary(bits, j);
+  int block = 0;
+  for (int o = 0; o < head_dim; ++block) {
+    const int n = kd::rotation_block_size(head_dim, o);
+    float p[32];
+    for (int l = 0; l < 32; ++l) p[l] = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const float v = row_value(x, o + i);
+      p[i & 31] = kd::add_rn(p[i & 31], kd::mul_rn(v, v));
+    }
+    const float nu = kd::tq_sqrt(reduce_partials(p));
+    unsigned scale = 0;  // a block of zeros: scale +0, codes 0
+    if (nu != 0.0f) {
+      const float k = kd::div_rn(kd::tq_sqrt(static_cast<float>(n)), nu);
+      for (int l = 0; l < 32; ++l) p[l] = 0.0f;
+      for (int i = 0; i < n; ++i) {
+        const float z = kd::mul_rn(row_value(x, o + i), k);
+        int code = 0;
+        for (int j = 0; j + 1 < levels; ++j) code += boundary[j] < z ? 1 : 0;
+        const int bit = bits * (o + i);
+        const unsigned shifted = static_cast<unsigned>(code) << (bit % 8);
+        codes[bit / 8] = static_cast<u8>(codes[bit / 8] | (shifted & 0xffu));
+        if (shifted > 0xffu) codes[bit / 8 + 1] = static_cast<u8>(codes[bit / 8 + 1] | (shifted >> 8));
+        const float cv = kd::tq_centroid(bits, code);
+        p[i & 31] = kd::add_rn(p[i & 31], kd::mul_rn(cv, cv));
+      }
+      scale = kd::f32_to_f16_bits(kd::div_rn(nu, kd::tq_sqrt(reduce_partials(p))));
+    }
+    st_u16(row + 2 * block, scale);
+    o += n;
+  }
+}
+
 /// Encodes block b of a row of a row codec into `row` (the row's first byte).
 KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq_region r, KVQ_GLOBAL u8* row) {
   switch (codec) {
@@ -444,6 +632,11 @@ KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq
     case kvq_codec_nvfp4:
       encode_nvfp4(x, head_dim, b, r.codec_scale,
                    row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_nvfp4)));
+      break;
+    case kvq_codec_tq2:
+    case kvq_codec_tq3:
+    case kvq_codec_tq4:  // one unit per row
+      encode_tq(x, head_dim, tq_bits(codec), row);
       break;
     default:  // KIVI values
       encode_kivi_value(x, head_dim, b, r.group, kivi_bits(codec), row);
@@ -520,9 +713,45 @@ KVQ_HOST_DEVICE void encode_key_tiles_thread(int codec, KVQ_ARG(kvq_write_args) 
   encode_key_tile_at(codec, a, layer, input, h, j, static_cast<int>(rem - static_cast<i64>(j) * a.head_dim));
 }
 
-/// Thread `idx` of store_f16_rows: threads (kv_heads, count, head_dim), channels fastest.
+/// The key mean of channel c of kv_head h of a centered key codec, from input tokens [0, count)
+/// (the first chunk appended to an empty layer), into the f32 at byte src.mean0 + 4 (h head_dim +
+/// c): the finite values summed in f32 in token order, divided by their count (0 without any), as
+/// kvq::detail::chunk_key_mean.
+KVQ_HOST_DEVICE void key_mean_at(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer, KVQ_GLOBAL const u8* input, int h,
+                                 int c) {
+  row_ref r;
+  r.p = input;
+  r.type = a.src.type;
+  r.round = 0;
+  r.rotate = 0;
+  r.head_dim = a.head_dim;
+  r.seed = 0;
+  r.mean = nullptr;
+  float sum = 0.0f;
+  int n = 0;
+  for (int t = 0; t < a.count; ++t) {
+    r.p = input + (static_cast<i64>(t) * static_cast<i64>(a.src.token_stride) +
+                   static_cast<i64>(h) * static_cast<i64>(a.src.head_stride)) *
+                      elem_bytes(a.src.type);
+    const float x = input_value(r, c);
+    if (!kd::is_finite_f32(x)) continue;
+    sum = kd::add_rn(sum, x);
+    ++n;
+  }
+  reinterpret_cast<KVQ_GLOBAL float*>(layer + static_cast<i64>(a.src.mean0))[static_cast<i64>(h) * a.head_dim + c] =
+      n > 0 ? kd::div_rn(sum, static_cast<float>(n)) : 0.0f;
+}
+
+/// Thread `idx` of store_f16_rows: threads (kv_heads, count, head_dim), channels fastest; with
+/// mode kvq_write_key_mean, threads (kv_heads, head_dim) of key_mean_at.
 KVQ_HOST_DEVICE void store_f16_rows_thread(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer, KVQ_GLOBAL const u8* input,
                                            i64 idx) {
+  if (a.mode == kvq_write_key_mean) {
+    if (idx >= static_cast<i64>(a.kv_heads) * a.head_dim) return;
+    const int h = static_cast<int>(idx / a.head_dim);
+    key_mean_at(a, layer, input, h, static_cast<int>(idx - static_cast<i64>(h) * a.head_dim));
+    return;
+  }
   const i64 per_head = static_cast<i64>(a.count) * a.head_dim;
   if (idx >= per_head * a.kv_heads) return;
   const int h = static_cast<int>(idx / per_head);
@@ -572,6 +801,17 @@ KVQ_HOST_DEVICE float decode_row_element(int codec, KVQ_GLOBAL const u8* row, in
       if (blk[s] == kd::nvfp4_poisoned_scale) return kd::fp4_nan();
       return kd::mul_rn(kd::fp4_value(code, kd::nvfp4_half_scale(blk[s])), r.codec_scale);
     }
+    case kvq_codec_tq2:
+    case kvq_codec_tq3:
+    case kvq_codec_tq4: {  // c[code_c] * g of c's rotation block (rotated space), as tq_decode_row
+      const int bits = tq_bits(codec);
+      KVQ_GLOBAL const u8* codes = row + kd::tq_scale_bytes(head_dim);
+      const int bit = bits * c;
+      unsigned window = codes[bit / 8];
+      if (bit % 8 + bits > 8) window |= static_cast<unsigned>(codes[bit / 8 + 1]) << 8;
+      const int code = static_cast<int>((window >> (bit % 8)) & ((1u << bits) - 1u));
+      return kd::mul_rn(kd::tq_centroid(bits, code), ld_f16(row + 2 * kd::rotation_block_of(head_dim, c)));
+    }
     default: {  // KIVI values
       const int bits = kivi_bits(codec);
       const int gv = imin(r.group, head_dim);
@@ -606,11 +846,45 @@ KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, KVQ_GL
   return decode_row_element(codec, reg + static_cast<i64>(t) * static_cast<i64>(r.unit_bytes), head_dim, c, r);
 }
 
+/// The leaves of R^T y over the rotation block at channel o of token t: the decoded (rotated)
+/// channels of the token.
+struct decoded_leaves {
+  int codec;
+  KVQ_GLOBAL const u8* reg;
+  KVQ_GLOBAL const u8* res;
+  kvq_region r;
+  int head_dim;
+  int t;
+  int o;
+  KVQ_HOST_DEVICE float at(int j) { return decode_element(codec, reg, res, r, head_dim, t, o + j); }
+};
+
+/// Channel c of token t of kv_head `head`, un-rotated when a.unrotate (R^T of the decoded row, as
+/// detail::rotate_inverse_signs: the butterflies of c's rotation block, times c_n, then s_c).
+KVQ_HOST_DEVICE float read_element(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL const u8* layer, int t, int c) {
+  KVQ_GLOBAL const u8* reg = region_ptr(layer, a.src, a.head);
+  KVQ_GLOBAL const u8* res = residual_ptr(layer, a.src, a.head);
+  if (a.unrotate == 0) return decode_element(codec, reg, res, a.src, a.head_dim, t, c);
+  decoded_leaves leaves;
+  leaves.codec = codec;
+  leaves.reg = reg;
+  leaves.res = res;
+  leaves.r = a.src;
+  leaves.head_dim = a.head_dim;
+  leaves.t = t;
+  leaves.o = kd::rotation_block_start(a.head_dim, c);
+  const int n = kd::rotation_block_size(a.head_dim, leaves.o);
+  sign_words signs = make_sign_words(a.src.rotation_seed);
+  return signs.apply(kd::mul_rn(butterfly_output(leaves, n, c - leaves.o), kd::rotation_scale(n)), c);
+}
+
 /// decode: channel c of token first + i of kv_head `head`, written as out_type at row i.
 KVQ_HOST_DEVICE void decode_at(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL const u8* layer, KVQ_GLOBAL u8* out,
                                int i, int c) {
-  const float v = decode_element(codec, region_ptr(layer, a.src, a.head), residual_ptr(layer, a.src, a.head), a.src,
-                                 a.head_dim, a.first + i, c);
+  float v = read_element(codec, a, layer, a.first + i, c);
+  if (a.add_mean != 0)  // centered keys: decode + mu in f32, then one rounding
+    v = kd::add_rn(v, reinterpret_cast<KVQ_GLOBAL const float*>(
+                          layer + static_cast<i64>(a.mean0))[static_cast<i64>(a.head) * a.head_dim + c]);
   const i64 o = static_cast<i64>(i) * static_cast<i64>(a.out_stride) + c;
   if (a.out_type == kvq_elem_f32) {
     reinterpret_cast<KVQ_GLOBAL float*>(out)[o] = v;  // outputs are aligned to their element type
@@ -778,16 +1052,32 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   KVQ_SHARED float* c_s = smem + L.corr;
   KVQ_SHARED float* qd_s = smem + L.qd;
   KVQ_SHARED int8_t* qc_s = reinterpret_cast<KVQ_SHARED int8_t*>(smem + L.qcodes);
+  KVQ_SHARED float* off_s = smem + L.off;
 
-  // The query heads of this block: as given, or rounded to q8_0 blocks as q8_0::encode_row and
-  // decode_row do (codes kept for the integer dots).
+  // The query rows of this block: as given, rotated by the key side's R (a rotated key codec), then
+  // rounded to q8_0 blocks on request as q8_0::encode_row and decode_row do (codes kept for the
+  // integer dots), as kvq's prepare_query.
   for (int k = 0; k < lanes; ++k) {
     const int tid = th.tid(k);
-    if (a.query_q8_0 != 0) {
-      for (int w = tid; w < nh * nb; w += nt) {
+    for (int w = tid; w < nh * hd; w += nt) q_s[w] = query[attention_row(a, kv, g0 + w / hd) * hd + w % hd];
+    for (int w = tid; w < nh * hd; w += nt) o_s[w] = 0.0f;
+    for (int w = tid; w < nh; w += nt) {
+      m_s[w] = ninf;
+      l_s[w] = 0.0f;
+    }
+  }
+  if ((a.rotation & kvq_rotate_query) != 0) {
+    th.barrier();
+    for (int k = 0; k < lanes; ++k)
+      for (int g = th.tid(k); g < nh; g += nt) rotate_shared_row(q_s + g * hd, hd, a.key.rotation_seed, false);
+  }
+  if (a.query_q8_0 != 0) {
+    th.barrier();
+    for (int k = 0; k < lanes; ++k) {
+      for (int w = th.tid(k); w < nh * nb; w += nt) {  // each block in place
         const int g = w / nb;
         const int b = w % nb;
-        KVQ_GLOBAL const float* x = query + attention_row(a, kv, g0 + g) * hd;
+        KVQ_SHARED float* x = q_s + g * hd;
         const int c0 = 32 * b;
         const int n = imin(32, hd - c0);
         float amax = 0.0f;
@@ -804,19 +1094,35 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         for (int j = 0; j < 32; ++j) {
           const int code = (finite && j < n) ? kd::q8_0_code(x[c0 + j], id) : 0;
           qc_s[(g * nb + b) * 32 + j] = static_cast<int8_t>(code);
-          if (j < n) q_s[g * hd + c0 + j] = kd::q8_0_value(code, dq);
+          if (j < n) x[c0 + j] = kd::q8_0_value(code, dq);
         }
       }
-    } else {
-      for (int w = tid; w < nh * hd; w += nt) q_s[w] = query[attention_row(a, kv, g0 + w / hd) * hd + w % hd];
-    }
-    for (int w = tid; w < nh * hd; w += nt) o_s[w] = 0.0f;
-    for (int w = tid; w < nh; w += nt) {
-      m_s[w] = ninf;
-      l_s[w] = 0.0f;
     }
   }
   th.barrier();
+  // Centered keys: each row's logit offset scale * (q . mu), q the prepared query row and mu the
+  // key mean of kv taken into its space (rotated as the query), as kvq::detail::centered_call;
+  // k_s holds mu until the first tile.
+  if (a.key_mean != 0) {
+    KVQ_GLOBAL const float* mu = reinterpret_cast<KVQ_GLOBAL const float*>(key_layer + static_cast<i64>(sq.key_mean0)) +
+                                 static_cast<i64>(kv) * hd;
+    for (int k = 0; k < lanes; ++k)
+      for (int w = th.tid(k); w < hd; w += nt) k_s[w] = mu[w];
+    th.barrier();
+    if ((a.rotation & kvq_rotate_query) != 0) {
+      for (int k = 0; k < lanes; ++k)
+        if (th.tid(k) == 0) rotate_shared_row(k_s, hd, a.key.rotation_seed, false);
+      th.barrier();
+    }
+    for (int k = 0; k < lanes; ++k) {
+      for (int g = th.tid(k); g < nh; g += nt) {
+        float dot = 0.0f;
+        for (int c = 0; c < hd; ++c) dot = kd::madd_f32(q_s[g * hd + c], k_s[c], dot);
+        off_s[g] = kd::mul_rn(dot, a.scale);
+      }
+    }
+    th.barrier();
+  }
 
   for (int t0 = t_begin; t0 < t_end; t0 += T) {
     const int n = imin(T, t_end - t0);
@@ -861,6 +1167,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
           for (int c = 0; c < hd; ++c) dot += q_s[g * hd + c] * k_s[i * kstride + c];
         }
         float s = dot * a.scale;
+        if (a.key_mean != 0) s = kd::add_rn(s, off_s[g]);  // centered keys: before the softcap
         if (a.softcap > 0.0f) s = a.softcap * tanh_f32(s / a.softcap);
         if (a.mask == kvq_mask_additive) s += reinterpret_cast<KVQ_GLOBAL const float*>(mask)[mrow];
         p_s[g * T + i] = s;
@@ -922,6 +1229,12 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
     // reaches after its P·V.
   }
   th.barrier();  // o_s channels are written out by other threads
+  // Each row un-rotated once: the values were accumulated in the value side's rotated space.
+  if ((a.rotation & kvq_unrotate_output) != 0) {
+    for (int k = 0; k < lanes; ++k)
+      for (int g = th.tid(k); g < nh; g += nt) rotate_shared_row(o_s + g * hd, hd, a.value.rotation_seed, true);
+    th.barrier();
+  }
 
   // The partial state of every row of the block.
   for (int k = 0; k < lanes; ++k) {

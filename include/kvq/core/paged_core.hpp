@@ -189,13 +189,19 @@ class paged_core : public core_base<Choice, Device> {
     free_.reserve(static_cast<std::size_t>(shape_.pages));
     for (std::int64_t p = shape_.pages; p-- > 0;) free_.push_back(static_cast<std::int32_t>(p));
     slots_.resize(static_cast<std::size_t>(shape_.max_sequences));
-    pool_ = dev_.allocate(alloc_bytes());
+    if constexpr (base::device_means) {  // per (slot, layer) the key means (kv_heads, head_dim) f32, after the slots
+      key_side_.device_means = true;
+      means0_ = (alloc_bytes() + storage_alignment - 1) / storage_alignment * storage_alignment;
+      means_bytes_ =
+          static_cast<std::size_t>(shape_.kv_heads) * static_cast<std::size_t>(shape_.head_dim) * sizeof(float);
+    }
+    pool_ = dev_.allocate(device_bytes());
   }
 
   paged_core(paged_core const&) = delete;
   paged_core& operator=(paged_core const&) = delete;
   paged_core& operator=(paged_core&&) = delete;
-  ~paged_core() { dev_.deallocate(pool_, alloc_bytes()); }
+  ~paged_core() { dev_.deallocate(pool_, device_bytes()); }
 
   auto shape() const noexcept -> paged_shape const& { return shape_; }
   auto residual() const noexcept -> int { return residual_; }
@@ -237,6 +243,12 @@ class paged_core : public core_base<Choice, Device> {
     if (geo_.slot_bytes > 0) {
       succeed(dev_.move(pool_, 0, geo_.slot_bytes, 1,
                         detail::byte_move{slot_offset(ps), slot_offset(s), geo_.slot_bytes}, stream));
+      succeed(dev_.finish(stream));
+    }
+    if (means_bytes_ > 0) {  // centered keys on a GPU: the child starts with the parent's key means
+      std::size_t const bytes = static_cast<std::size_t>(shape_.layers) * means_bytes_;
+      succeed(dev_.move(pool_, 0, bytes, 1, detail::byte_move{key_means_offset(ps, 0), key_means_offset(s, 0), bytes},
+                        stream));
       succeed(dev_.finish(stream));
     }
     for (std::int32_t pg : x.pages) ++refs_[static_cast<std::size_t>(pg)];
@@ -364,12 +376,23 @@ class paged_core : public core_base<Choice, Device> {
     int const s = slot_of(seq, "append");
     slot& x = slots_[static_cast<std::size_t>(s)];
     auto& st = x.layers[static_cast<std::size_t>(layer)];
-    auto const plan = detail::plan_append(key_side_, value_side_, shape_.head_dim, shape_.kv_heads, st, n, ks, vs);
+    kvq_source kc = ks;  // centered keys on a GPU: input rows less the sequence's mu
+    if constexpr (base::device_means) {
+      kc.mean = 1;
+      kc.mean0 = key_means_offset(s, layer);
+    }
+    auto const plan = detail::plan_append(key_side_, value_side_, shape_.head_dim, shape_.kv_heads, st, n, kc, vs);
     std::int64_t const want = pages_for(std::max(length_of(x), st.length + n));
     while (static_cast<std::int64_t>(x.pages.size()) < want) x.pages.push_back(take_page());
     for (int i = 0; i < plan.count; ++i) {
       auto const r = unit_tokens(plan.steps[i]);
       own_pages(x, r.first, r.second, stream);
+    }
+    if constexpr (base::device_means) {  // the first chunk into an empty layer fixes the sequence's mu
+      if (st.length == 0)
+        succeed(dev_.template write<key_codec>(
+            detail::key_mean_step(shape_.head_dim, shape_.kv_heads, n, ks, key_means_offset(s, layer)), pool_, keys,
+            stream));
     }
     for (int i = 0; i < plan.count; ++i) {
       detail::write_step const& step = plan.steps[i];
@@ -428,6 +451,10 @@ class paged_core : public core_base<Choice, Device> {
       kvq_region const r = page_region(keys, st, layer, static_cast<int>(s), x.pages[static_cast<std::size_t>(p)], p);
       kvq_decode_args a = decode_arguments(r, head, t - p * pt, e - t, out_type, stride);
       a.unrotate = keys ? rotated_codec<key_codec> : rotated_codec<value_codec>;  // reads return Rᵀ decode
+      if (keys && key_side_.device_means) {  // centered keys: reads return decode + mu
+        a.add_mean = 1;
+        a.mean0 = key_means_offset(static_cast<int>(s), layer);
+      }
       output_type const o =
           dev_.offset_output(out, static_cast<std::size_t>(t - first) * static_cast<std::size_t>(stride) * elem);
       if (keys) {
@@ -550,6 +577,34 @@ class paged_core : public core_base<Choice, Device> {
     return r;
   }
 
+  /// Centered keys on a GPU: byte offset in the pool of the key means of `layer` of residual slot
+  /// `s` (kv_heads x head_dim f32); 0 otherwise.
+  auto key_means_offset(int s, int layer) const noexcept -> std::size_t {
+    return means0_ +
+           (static_cast<std::size_t>(s) * static_cast<std::size_t>(shape_.layers) + static_cast<std::size_t>(layer)) *
+               means_bytes_;
+  }
+
+  /// Centered keys on a GPU: copies the key means of `layer` of `seq` (kv_heads x head_dim f32)
+  /// into host memory `out` once the device's work is done; zeros while the layer is empty.
+  /// Raises index_error, device_error.
+  void read_key_means(sequence_id seq, int layer, float* out) {
+    static_assert(base::device_means, "kvq: only centered keys of a GPU cache have device key means");
+    check_usable();
+    if (size(seq, layer) == 0) {
+      for (std::size_t i = 0; i < means_bytes_ / sizeof(float); ++i) out[i] = 0.0f;
+      return;
+    }
+    succeed(dev_.copy_out(pool_, key_means_offset(slot_index_of(seq), layer), out, means_bytes_));
+  }
+
+  /// Centered keys on a GPU: sets the key means of `layer` of `seq` from host memory `mu`
+  /// (importing a saved sequence); waits.
+  void write_key_means(sequence_id seq, int layer, float const* mu) {
+    static_assert(base::device_means, "kvq: only centered keys of a GPU cache have device key means");
+    succeed(dev_.copy_in(pool_, key_means_offset(slot_index_of(seq), layer), mu, means_bytes_));
+  }
+
   /// Byte offset of page `page` in the pool.
   auto page_offset(std::int32_t page) const noexcept -> std::size_t {
     return static_cast<std::size_t>(page) * geo_.page_bytes;
@@ -576,6 +631,13 @@ class paged_core : public core_base<Choice, Device> {
   }
 
   auto alloc_bytes() const -> std::size_t { return std::max(geo_.total, storage_alignment); }
+  /// Bytes of the pool's allocation: the layout's, then the device key means (not in memory(),
+  /// as the CPU cache's host means are not).
+  auto device_bytes() const -> std::size_t {
+    return means_bytes_ > 0 ? means0_ + static_cast<std::size_t>(shape_.max_sequences) *
+                                            static_cast<std::size_t>(shape_.layers) * means_bytes_
+                            : alloc_bytes();
+  }
 
   auto id_of(int s) const -> sequence_id {
     return slots_[static_cast<std::size_t>(s)].generation * shape_.max_sequences + s;
@@ -724,6 +786,8 @@ class paged_core : public core_base<Choice, Device> {
   detail::cache_side key_side_;
   detail::cache_side value_side_;
   layer_type pool_{};
+  std::size_t means0_ = 0;       // centered keys on a GPU: byte offset of the key means in the pool
+  std::size_t means_bytes_ = 0;  // bytes of one (slot, layer)'s key means, else 0
   detail::vector<std::int32_t> refs_;
   detail::vector<std::int32_t> free_;
   detail::vector<slot> slots_;
@@ -770,6 +834,7 @@ auto paged_attention_sequence(Core const& core, int layer, sequence_id s, std::i
   q.pages_first = static_cast<std::int32_t>(pages.size());
   q.key_residual0 = core.page_region(true, st, layer, slot, 0, 0).residual0;
   q.value_residual0 = core.page_region(false, st, layer, slot, 0, 0).residual0;
+  q.key_mean0 = core.key_means_offset(slot, layer);
   auto const& table = core.page_table(s);
   pages.insert(pages.end(), table.begin(), table.end());
   return q;

@@ -14,6 +14,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../codec/centered.hpp"
 #include "../codec/codec.hpp"
 #include "../codec/fp4.hpp"
 #include "../codec/fp8.hpp"
@@ -22,6 +23,8 @@
 #include "../codec/passthrough.hpp"
 #include "../codec/q4_0.hpp"
 #include "../codec/q8_0.hpp"
+#include "../codec/rotated.hpp"
+#include "../codec/tq_codebook.hpp"
 #include "kernel_args.h"
 #include "storage_layout.hpp"
 
@@ -58,10 +61,28 @@ struct kernel_codec<::kvq::kivi_key<B, G>> : std::integral_constant<int, B == 2 
                                                                          : B == 4 ? kvq_codec_kivi_key4
                                                                                   : kvq_codec_kivi_key8> {};
 
+template <int B>
+struct kernel_codec<tq_codebook<B>> : std::integral_constant<int, B == 2   ? kvq_codec_tq2
+                                                                  : B == 3 ? kvq_codec_tq3
+                                                                           : kvq_codec_tq4> {};
+
 /// A codec with kernel bodies in core/kernel_bodies.h (so with CUDA and Metal kernels).
 template <class C>
 concept kernel_codec_of = requires {
   kernel_codec<C>::value;
+};
+
+/// A rotated codec runs its stored codec's kernels (the rotation travels in the arguments).
+template <rotated_codec C>
+requires kernel_codec_of<typename C::stored_codec>
+struct kernel_codec<C> : kernel_codec<typename C::stored_codec> {
+};
+
+/// A centered codec that is not rotated runs its inner codec's kernels (centered<rotated<X>> is a
+/// rotated codec: X's); the key mean travels in the arguments.
+template <centered_codec C>
+requires(!rotated_codec<C> && kernel_codec_of<typename C::centered_inner>) struct kernel_codec<C>
+    : kernel_codec<typename C::centered_inner> {
 };
 
 /// The kernel element type of an input/output element type.
@@ -91,12 +112,17 @@ struct layer_state {
 
 /// The static description of the keys or the values of a layer: region geometry and codec.
 struct cache_side {
-  kvq_region region{};          ///< `quantized` and `residual_first` are set per operation
-  int codec = 0;                ///< kvq_codec_id, or -1 for a codec without GPU kernels
-  int blocks = 1;               ///< blocks per encoded row (row codecs)
-  bool tiles = false;           ///< KIVI keys: encoded per tile of G tokens from an f16 residual
-  bool window = false;          ///< KIVI values with R > 0: an f16 window of the last R tokens
-  bool kivi_value = false;      ///< KIVI values (quantized count tracked apart from the length)
+  kvq_region region{};      ///< `quantized` and `residual_first` are set per operation
+  int codec = 0;            ///< kvq_codec_id, or -1 for a codec without GPU kernels
+  int blocks = 1;           ///< blocks per encoded row (row codecs)
+  bool tiles = false;       ///< KIVI keys: encoded per tile of G tokens from an f16 residual
+  bool window = false;      ///< KIVI values with R > 0: an f16 window of the last R tokens
+  bool kivi_value = false;  ///< KIVI values (quantized count tracked apart from the length)
+  bool rotated = false;     ///< a rotated codec: inputs rotated, reads un-rotated (region.rotation_seed)
+  /// Centered keys whose means live in device memory (the GPU caches; the CPU cache keeps them on
+  /// the host): inputs less mu, reads plus mu, attention logits plus scale * q.mu.
+  bool device_means = false;
+  std::uint64_t means0 = 0;     ///< flat caches: byte offset of kv_head 0's key mean in a layer allocation
   std::int64_t residual = 0;    ///< rows of the f16 residual (tiles: F; window: R; else 0)
   std::size_t units_bytes = 0;  ///< aligned bytes of the encoded units of one kv_head
 };
@@ -129,6 +155,10 @@ auto make_cache_side(cache_shape const& shape, int residual, typename C::params_
   s.region.residual_rows = static_cast<std::int32_t>(std::max<std::int64_t>(layout.residual_rows, 1));
   s.region.codec_scale = 1.0f;
   s.region.fp8_saturate = 1;
+  if constexpr (rotated_codec<C>) {
+    s.rotated = true;
+    s.region.rotation_seed = static_cast<std::uint32_t>(C::rotation_seed);
+  }
   if constexpr (std::is_same_v<typename C::params_type, fp8_params>) {
     s.region.codec_scale = params.scale;
     s.region.fp8_saturate = params.overflow == fp8_overflow::saturate ? 1 : 0;
@@ -167,6 +197,26 @@ struct write_step {
   std::int64_t threads = 0;  ///< kv_heads * (count * blocks | count / G * head_dim | count * head_dim)
 };
 
+/// The launch that fixes the key means of a centered key side from the first chunk appended to an
+/// empty layer: n input tokens described by `ks`, into the f32 (kv_heads, head_dim) at byte
+/// `mean0` of the allocation (store_f16_rows in mode kvq_write_key_mean).
+inline auto key_mean_step(int head_dim, int kv_heads, std::int64_t n, kvq_source ks, std::uint64_t mean0)
+    -> write_step {
+  write_step s;
+  s.kernel = write_kernel::store_f16_rows;
+  s.values = false;
+  s.args.src = ks;
+  s.args.src.mean = 0;
+  s.args.src.mean0 = mean0;
+  s.args.head_dim = head_dim;
+  s.args.kv_heads = kv_heads;
+  s.args.count = static_cast<std::int32_t>(n);
+  s.args.mode = kvq_write_key_mean;
+  s.args.dst.residual_rows = 1;
+  s.threads = static_cast<std::int64_t>(kv_heads) * head_dim;
+  return s;
+}
+
 /// The launches of one append, in order, and the layer state after them.
 struct append_plan {
   write_step steps[4];
@@ -192,6 +242,8 @@ inline auto plan_append(cache_side const& k, cache_side const& v, int head_dim, 
                         std::int64_t n, kvq_source ks, kvq_source vs) -> append_plan {
   append_plan plan;
   plan.next = st;
+  ks.rotate = k.rotated ? 1 : 0;  // input rows only: the residual rows are stored rotated
+  vs.rotate = v.rotated ? 1 : 0;
   auto add = [&](write_kernel kernel, bool values, kvq_region const& dst, kvq_source const& src, std::int64_t count,
                  std::int64_t first, int blocks) {
     write_step& s = plan.steps[plan.count++];
@@ -449,6 +501,8 @@ inline auto attention_arguments(cache_side const& k, cache_side const& v, int he
   a.query_q8_0 = query_q8_0 ? 1 : 0;
   a.probs_f16 = probs_f16 ? 1 : 0;
   a.n_q = 1;
+  a.rotation = (k.rotated ? kvq_rotate_query : 0) | (v.rotated ? kvq_unrotate_output : 0);
+  a.key_mean = k.device_means ? 1 : 0;
   return a;
 }
 
@@ -481,6 +535,7 @@ inline auto attention_sequence(cache_side const& k, cache_side const& v, layer_s
   s.first_pos = static_cast<std::int32_t>(st.length - 1);
   s.key_residual0 = k.region.residual0;
   s.value_residual0 = v.region.residual0;
+  s.key_mean0 = k.means0;  // paged caches: the sequence's (paged_attention_sequence)
   return s;
 }
 

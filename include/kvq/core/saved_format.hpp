@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../codec/centered.hpp"
 #include "../detail/crc32c.hpp"
 #include "../detail/host_vector.hpp"
 #include "../error.hpp"
@@ -225,6 +226,7 @@ struct saved_geometry {
   std::size_t value_residual = 0;  ///< f16 value window bytes of one kv_head (KIVI, R > 0), else 0
   std::int64_t key_rows = 0;       ///< F
   std::int64_t value_rows = 0;     ///< R
+  std::size_t key_means = 0;       ///< f32 key means of one layer (centered keys: kv_heads × head_dim × 4), else 0
 };
 
 inline auto make_saved_geometry(cache_side const& k, cache_side const& v, int kv_heads, int head_dim)
@@ -277,6 +279,7 @@ inline auto make_saved_section(saved_geometry const& g, layer_state const& st, s
   s.key_u1 = q.first / g.key_tokens;
   s.value_u0 = first;
   s.value_u1 = q.second;
+  s.keys_at = saved_record_bytes + align_up(g.key_means);  // centered keys: the layer's μ first
   std::size_t const kv = static_cast<std::size_t>(g.kv_heads);
   s.key_units = align_up(static_cast<std::size_t>(s.key_u1 - s.key_u0) * g.key_unit);
   s.key_residual = align_up(g.key_residual);
@@ -381,6 +384,8 @@ auto make_saved_expect(int layers, int kv_heads, int head_dim, int residual, typ
   e.key = make_saved_codec<K>(k, kp);
   e.value = make_saved_codec<V>(v, vp);
   e.geo = make_saved_geometry(k, v, kv_heads, head_dim);
+  if constexpr (centered_codec<K>)
+    e.geo.key_means = static_cast<std::size_t>(kv_heads) * static_cast<std::size_t>(head_dim) * sizeof(float);
   e.max_tokens = max_tokens;
   return e;
 }
@@ -506,6 +511,16 @@ inline auto parse_saved_image(std::span<std::byte const> b, saved_expect const& 
     if (s.bytes != bytes)
       saved_fail("section of layer " + std::to_string(l) + " has " + std::to_string(bytes) +
                  " bytes, its record needs " + std::to_string(s.bytes));
+    // Centered keys: μ finite where the layer holds tokens, zero where it holds none; zero padding.
+    for (std::size_t i = 0; i < align_up(g.key_means); i += 4) {
+      std::uint32_t const bits = get_u32(rec + saved_record_bytes + i);
+      bool const ok = i >= g.key_means || st.length == 0 ? bits == 0 : (bits & 0x7f800000u) != 0x7f800000u;
+      if (!ok)
+        saved_fail("layer " + std::to_string(l) + ": a key mean is " +
+                   (i >= g.key_means ? "padding, not zero"
+                    : st.length == 0 ? "set in an empty layer"
+                                     : "not finite"));
+    }
     std::size_t const row = static_cast<std::size_t>(g.head_dim) * 2;
     for (int side = 0; side < 2; ++side) {
       bool const keys = side == 0;
@@ -603,7 +618,7 @@ void read_device_bytes(Core& core, typename Core::layer_type a, std::size_t offs
 /// write_saved_image writes a whole image of the layers' states `states` from token `first`.
 template <class Core, class Units, class Residual, class Write>
 void write_saved_image(Core& core, saved_header h, saved_geometry const& g, std::span<layer_state const> states,
-                       Units&& units, Residual&& residual, Write&& write) {
+                       Units&& units, Residual&& residual, Write&& write, float const* key_means = nullptr) {
   std::size_t const layers = states.size();
   std::int64_t const first = static_cast<std::int64_t>(h.first);
   vector<saved_section> sections(layers);
@@ -629,6 +644,13 @@ void write_saved_image(Core& core, saved_header h, saved_geometry const& g, std:
     std::array<std::byte, saved_record_bytes> rec{};
     put_record(rec.data(), states[l]);
     out(rec);
+    if (g.key_means > 0) {  // centered keys: the layer's μ (zeros for an empty layer), padded
+      vector<std::byte> mu(align_up(g.key_means), std::byte{0});
+      if (states[l].length > 0)
+        for (std::size_t i = 0; i < g.key_means / 4; ++i)
+          put_u32(mu.data() + 4 * i, std::bit_cast<std::uint32_t>(key_means[l * (g.key_means / 4) + i]));
+      out(mu);
+    }
     auto const side = [&](bool keys, std::int64_t u0, std::int64_t u1, std::size_t unit, std::size_t aligned) {
       for (int hd = 0; hd < g.kv_heads; ++hd) {
         units(static_cast<int>(l), keys, hd, u0, u1, [&](auto alloc, std::size_t o, std::size_t bytes) {
@@ -675,6 +697,12 @@ void write_saved_image(Core& core, saved_header h, saved_geometry const& g, std:
   file_crc.update(std::span<std::byte const>(dir.data(), dir.size() - 8));
   put_u32(trailer + 56, file_crc.value());
   write(std::span<std::byte const>(dir.data(), dir.size()));
+}
+
+/// The key means of layer `l` of a validated image of centered keys: g.key_means / 4 floats into `out`.
+inline void saved_key_means(saved_image const& img, saved_geometry const& g, std::size_t l, float* out) {
+  std::byte const* p = img.bytes.data() + img.offsets[l] + saved_record_bytes;
+  for (std::size_t i = 0; i < g.key_means / 4; ++i) out[i] = std::bit_cast<float>(get_u32(p + 4 * i));
 }
 
 /// Raises format_error unless the section of `layer` of an image parsed without its section

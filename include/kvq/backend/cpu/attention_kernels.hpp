@@ -72,6 +72,9 @@ struct attention_call {
   float scale = 1.0f;    ///< logit = scale * q.k (then softcap)
   float softcap = 0.0f;  ///< > 0: logit = softcap * tanh(logit / softcap)
   bool f16_probabilities = false;
+  /// Per-row logit offsets (nullptr: none): row r's logit is scale * q.k + row_offset[r], then
+  /// softcap (a centered key codec's scale * q.mu, codec/centered.hpp).
+  float const* row_offset = nullptr;
   // Per-row masks of a multi-token attention, all optional (nullptr: none). Token indices are
   // absolute: the source's token t is token `token_offset + t` here. After scale and softcap,
   // row r's logit of token j becomes -Inf unless row_begin[r] <= j < row_end[r] (when given) and
@@ -915,7 +918,7 @@ struct simd_attention {
   /// [t_first, t_first + n) (then s holds the masked logits; the per-token path handles all
   /// those); p is all 0 when every logit is -Inf.
   static bool softmax_tile(float* o, float& m, float& sum, attention_call const& call, float* s, int n, float* p,
-                           int row, std::int64_t t_first) noexcept {
+                           int row, std::int64_t t_first, float offset) noexcept {
     constexpr float neg_inf = -std::numeric_limits<float>::infinity();
     constexpr float big = std::numeric_limits<float>::max();
     int const d = call.head_dim;
@@ -923,11 +926,12 @@ struct simd_attention {
     float tmax = neg_inf;
     int t0 = 0;
     if (call.softcap == 0.0f) {
-      vf const sc = V::set1(call.scale), bigv = V::set1(big);
+      vf const sc = V::set1(call.scale), bigv = V::set1(big), off = V::set1(offset);
       vf mx = V::set1(neg_inf);
       unsigned ok = (1u << W) - 1u;
       for (; t0 + W <= n; t0 += W) {
-        vf const x = V::mul_c(V::load(s + t0), sc);
+        vf x = V::mul_c(V::load(s + t0), sc);
+        if (call.row_offset != nullptr) x = V::add(x, off);
         V::store(s + t0, x);
         ok &= V::mask_bits(V::le_f(V::abs(x), bigv));  // lanes neither NaN nor infinite
         mx = V::max(mx, x);
@@ -937,6 +941,7 @@ struct simd_attention {
     }
     for (int t = t0; t < n; ++t) {
       float x = s[t] * call.scale;
+      if (call.row_offset != nullptr) x += offset;
       if (call.softcap > 0.0f) x = call.softcap * std::tanh(x / call.softcap);
       s[t] = x;
       finite = finite && std::fabs(x) <= big;
@@ -1017,8 +1022,9 @@ struct simd_attention {
       bool any_special = false;
       for (int h = 0; h < group; ++h) {
         float* const o = state.out + static_cast<std::ptrdiff_t>(h) * d;
-        bool const ok = softmax_tile(o, state.max[h], state.sum[h], call, s.logits.data() + h * T, n,
-                                     s.probs.data() + h * T, call.masked() ? h : -1, tb);
+        bool const ok =
+            softmax_tile(o, state.max[h], state.sum[h], call, s.logits.data() + h * T, n, s.probs.data() + h * T,
+                         call.masked() ? h : -1, tb, call.row_offset != nullptr ? call.row_offset[h] : 0.0f);
         s.special[static_cast<std::size_t>(h)] = !ok;
         if (!ok) {
           any_special = true;

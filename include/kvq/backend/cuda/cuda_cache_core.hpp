@@ -348,6 +348,11 @@ class cuda_cache_core : public cache_codecs<Choice> {
   /// Raises device_error if the cache is unusable (a CUDA call failed earlier).
   void check_usable() const { core_.check_usable(); }
 
+  /// Centered keys (`centered<C>`): copies the key means μ of `layer` (kv_heads × head_dim f32, the
+  /// CPU cache's key_mean of each head in turn) to host memory `out`, once the device's work is
+  /// done; zeros while the layer is empty. Raises index_error, device_error.
+  void read_key_means(int layer, float* out) requires core_type::device_means { core_.read_key_means(layer, out); }
+
   /// The cache core (state, sides, layers) that the batched attention reads.
   auto core() noexcept -> core_type& { return core_; }
   auto core() const noexcept -> core_type const& { return core_; }

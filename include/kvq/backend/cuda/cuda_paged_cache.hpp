@@ -204,6 +204,13 @@ class cuda_paged_cache_core : public cache_codecs<Choice> {
   }
 
   /// The paged core.
+  /// Centered keys (`centered<C>`): copies the key means μ of `layer` of `seq` (kv_heads × head_dim
+  /// f32) to host memory `out`, once the device's work is done; zeros while the layer is empty.
+  /// Raises index_error, device_error.
+  void read_key_means(sequence_id seq, int layer, float* out) requires core_type::device_means {
+    core_.read_key_means(seq, layer, out);
+  }
+
   auto core() noexcept -> core_type& { return core_; }
   auto core() const noexcept -> core_type const& { return core_; }
 

@@ -72,7 +72,16 @@ using namespace metal;
 // sm_89+ (bit-identical to the software path) and the block barrier, which the attention takes
 // from its `Threads` policy (see attention_block). No lambdas, no `if constexpr`, no exceptions.
 //
-//   encode_rows_thread       one block of one row of a row codec (q8_0/q4_0: 32 channels; int8: a
+// Rotated codecs (FORMATS.md §6.1) run their stored codec's bodies with the rotation R at the
+// edges, as the CPU cache: the write kernels encode R x of every input row (residual rows are
+// stored rotated), decode un-rotates on request (reads), and the attention rotates each query row
+// once with the key side's seed and un-rotates each partial output row once with the value side's.
+// Every rotated value is the one detail::rotate_forward_signs computes, bit for bit: the write and
+// decode threads, which see one element or block, evaluate each coordinate they need through its
+// own branch of the butterfly tree (rotated_coordinate: n - 1 rounded adds for a rotation block of
+// n, in the butterflies' order), the attention whole rows in block-shared memory.
+//
+//   encode_rows_thread       one block of one row of a row codec (q8_0/q4_0: 32 channels; int8, tq: a
 //                            row; f32/f16/fp8: a channel; KIVI values: a group of channels)
 //   encode_key_tiles_thread  one channel of one KIVI key tile of G tokens
 //   store_f16_rows_thread    one element of the KIVI key residual / value window (f16)
@@ -255,7 +264,8 @@ KVQ_HOST_DEVICE float fp_barrier(float x) {
   __asm__("" : "+x"(x));
   return x;
 #elif defined(__GNUC__) && defined(__aarch64__)
-  __asm__("" : "+w"(x));
+)kvq_msl",
+    R"kvq_msl(  __asm__("" : "+w"(x));
   return x;
 #elif defined(__GNUC__)
   __asm__("" : "+m"(x));
@@ -286,8 +296,7 @@ KVQ_HOST_DEVICE float add_rn(float a, float b) {
 
 /// Returns a * b + c: fused (one rounding) where the target has a fused multiply-add, else the
 /// product rounded and then the sum; never left to the compiler's contraction flags, so a build
-)kvq_msl",
-    R"kvq_msl(/// gives the same result with -ffp-contract=off and =fast.
+/// gives the same result with -ffp-contract=off and =fast.
 KVQ_HOST_DEVICE float madd_f32(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
   return __fmaf_rn(a, b, c);
@@ -409,7 +418,7 @@ KVQ_CONSTEXPR_VAR int kivi_group_header_bytes = 4;
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 32 "kvq/core/kernel_bodies.h"
+#line 41 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_fp4.h"
 // kvq: element math of ggml's MXFP4 and NVFP4 (C++14 subset; C++, CUDA, Metal).
 //
@@ -563,7 +572,8 @@ KVQ_HOST_DEVICE float fp4_nan() { return f32_from_bits(0x7fc00000u); }
 KVQ_HOST_DEVICE int fp4_doubled_value(int code) {
   const int i = code & 7;
   const int mag = i < 4 ? i : (i < 6 ? 4 + 2 * (i - 4) : 8 + 4 * (i - 6));
-  return (code & 8) != 0 ? -mag : mag;
+)kvq_msl",
+    R"kvq_msl(  return (code & 8) != 0 ? -mag : mag;
 }
 
 /// The code of x for half-scale h (ggml's best_index_mxfp4): the first code of least float32
@@ -584,8 +594,7 @@ KVQ_HOST_DEVICE int fp4_code(float x, float h) {
 
 #if !defined(__METAL_VERSION__)  // host code only (a Metal pointer parameter needs an address space)
 /// fp4_code(x, h) with the 16 candidate values K[i] * h precomputed in `table` (same code).
-)kvq_msl",
-    R"kvq_msl(KVQ_HOST_DEVICE int fp4_code_table(float x, const float* table) {
+KVQ_HOST_DEVICE int fp4_code_table(float x, const float* table) {
   int best = 0;
   float best_err = abs_f32(add_rn(0.0f, -x));
   for (int i = 1; i < 16; ++i) {
@@ -660,7 +669,7 @@ KVQ_HOST_DEVICE float nvfp4_half_scale(u8 b) {
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 33 "kvq/core/kernel_bodies.h"
+#line 42 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_fp8.h"
 // kvq: element math of the FP8 codecs E4M3FN and E5M2 (C++14 subset; C++, CUDA, Metal).
 //
@@ -782,7 +791,7 @@ KVQ_HOST_DEVICE float e5m2_to_f32_scaled(u8 code, float scale) { return mul_rn(e
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 34 "kvq/core/kernel_bodies.h"
+#line 43 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_ggml.h"
 // kvq: element math of ggml's q8_0 and q4_0 (C++14 subset; C++, CUDA, Metal).
 //
@@ -833,13 +842,14 @@ KVQ_HOST_DEVICE float q4_0_value(int nibble, float d) { return static_cast<float
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 35 "kvq/core/kernel_bodies.h"
+#line 44 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_int8.h"
 // kvq: element math of the int8 symmetric per-(token, head) codec (C++14 subset).
 //
 // kvq's choices for FORMATS.md §2, identical on every backend:
 //   scale = amax / 127 in fp32, stored as fp32 (no fp16 rounding);
-//   q = clamp(round_half_even(x / scale), -127, 127): a true division (no reciprocal), ties to
+)kvq_msl",
+    R"kvq_msl(//   q = clamp(round_half_even(x / scale), -127, 127): a true division (no reciprocal), ties to
 //       even (what SIMD conversions do), so -128 is never produced and the grid is symmetric;
 //   amax == 0 -> scale 0 and every code 0;
 //   a row holding NaN or ±Inf stores scale = NaN and codes 0, so it decodes entirely to NaN.
@@ -856,8 +866,7 @@ KVQ_CONSTEXPR_VAR u32 int8_poisoned_scale_bits = 0x7fc00000u;
 /// int8 scale from the row's amax: amax / 127.
 KVQ_HOST_DEVICE float int8_scale(float amax) { return div_rn(amax, 127.0f); }
 
-)kvq_msl",
-    R"kvq_msl(/// int8 code of x for a non-zero finite scale: clamp(rne(x / scale), -127, 127).
+/// int8 code of x for a non-zero finite scale: clamp(rne(x / scale), -127, 127).
 KVQ_HOST_DEVICE int int8_code(float x, float scale) {
   float q = div_rn(x, scale);
   q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
@@ -869,7 +878,7 @@ KVQ_HOST_DEVICE float int8_value(int q, float scale) { return static_cast<float>
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 36 "kvq/core/kernel_bodies.h"
+#line 45 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/detail/math_kivi.h"
 // kvq: element math of the KIVI codecs (C++14 subset; C++, CUDA, Metal).
 //
@@ -990,8 +999,275 @@ KVQ_HOST_DEVICE u8 kivi_pack(u8 byte, int code, int i, int bits) {
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 37 "kvq/core/kernel_bodies.h"
-#line 38 "kvq/core/kernel_bodies.h"
+#line 46 "kvq/core/kernel_bodies.h"
+#line 1 "kvq/detail/math_tq.h"
+// kvq: element math of the codebook codecs tq2 / tq3 / tq4 (FORMATS.md §6.2; C++14 subset: C++,
+// CUDA, Metal): the Lloyd-Max centroids of a unit Gaussian and their boundaries, the row sizes,
+// the correctly rounded square root. The row encoders and decoders over host pointers are in
+// codec/tq_codebook.hpp; the GPU kernels' own (over device pointers) in core/kernel_bodies.h.
+
+
+#if !defined(__METAL_VERSION__)
+#  include <math.h>
+#endif
+
+#line 12 "kvq/detail/math_tq.h"
+#line 1 "kvq/detail/rotation.h"
+// kvq: the rotation R of the rotated codecs (C++14 subset; C++, CUDA, Metal).
+//
+// R is kvq's randomized-sign fast Walsh–Hadamard transform (FORMATS.md §6.1), defined bit-exactly
+// so that every backend rotates to the same floats:
+//   * blocks: head_dim d is split by its binary expansion, largest power of two first (d = 80 ->
+//     [0,64) + [64,80)); each block is rotated on its own (R is block-diagonal);
+//   * signs: s_i = -1 when bit (i mod 64) of the splitmix64 word w_(i/64) of the seed is 1, i the
+//     channel index within the row (not within the block); applying a sign flips the sign bit;
+//   * forward, per block of size n: signs, butterfly stages h = 1, 2, 4, ..., n/2 in that order
+//     ((a, b) -> (a + b, a - b), each a rounded float32 add), then a product by c_n, the float32
+//     nearest 1/sqrt(n);
+//   * inverse: the same butterflies, the product by c_n, then the signs.
+// Every rounded step goes through add_rn / mul_rn: no contraction, whatever the compiler flags.
+// The functions taking pointers are host and CUDA only (a Metal pointer needs an address space).
+
+
+#line 18 "kvq/detail/rotation.h"
+
+KVQ_NAMESPACE_BEGIN
+namespace detail {
+
+#if defined(__METAL_VERSION__)
+typedef ulong u64;
+#else
+typedef uint64_t u64;
+#endif
+
+/// The splitmix64 increment (the golden-ratio constant).
+KVQ_CONSTEXPR_VAR u64 rotation_splitmix_gamma = 0x9E3779B97F4A7C15u;
+/// The float32 nearest 1/sqrt(2) (bits 3f3504f3).
+KVQ_CONSTEXPR_VAR u32 rotation_rsqrt2_bits = 0x3f3504f3u;
+
+/// The j-th output (j = 0 first) of splitmix64 seeded with `seed`: the mix of seed + (j+1)·gamma.
+KVQ_HOST_DEVICE u64 rotation_sign_word(u64 seed, int j) {
+  u64 z = seed + (static_cast<u64>(j) + 1u) * rotation_splitmix_gamma;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9u;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBu;
+  return z ^ (z >> 31);
+}
+
+/// Number of 64-bit sign words of a row of head_dim channels: ceil(head_dim / 64).
+KVQ_HOST_DEVICE constexpr int rotation_word_count(int head_dim) { return (head_dim + 63) / 64; }
+
+/// Size of the rotation block starting at channel `offset` (a block start, 0 <= offset < head_dim):
+/// the largest power of two not above head_dim - offset; 0 when offset >= head_dim.
+KVQ_HOST_DEVICE constexpr int rotation_block_size(int head_dim, int offset) {
+  const int rest = head_dim - offset;
+  if (rest <= 0) return 0;
+  int n = 1;
+  while (n <= rest / 2) n *= 2;
+  return n;
+}
+
+/// Number of rotation blocks of head_dim (> 0): the number of 1 bits of head_dim.
+KVQ_HOST_DEVICE constexpr int rotation_block_count(int head_dim) {
+  int count = 0;
+  for (u32 v = static_cast<u32>(head_dim); v != 0u; v >>= 1) count += static_cast<int>(v & 1u);
+  return count;
+}
+
+/// Index of the rotation block holding channel i (0 <= i < head_dim).
+KVQ_HOST_DEVICE constexpr int rotation_block_of(int head_dim, int i) {
+  int block = 0;
+  int offset = 0;
+  for (int n = rotation_block_size(head_dim, 0); offset + n <= i; n = rotation_block_size(head_dim, offset)) {
+    offset += n;
+    ++block;
+  }
+  return block;
+}
+
+/// Offset of the rotation block holding channel i (0 <= i < head_dim).
+KVQ_HOST_DEVICE constexpr int rotation_block_start(int head_dim, int i) {
+  int offset = 0;
+  for (int n = rotation_block_size(head_dim, 0); offset + n <= i; n = rotation_block_size(head_dim, offset))
+    offset += n;
+  return offset;
+}
+
+/// c_n, the float32 nearest 1/sqrt(n) for a power of two n (1 <= n <= 2^30): 2^(-e/2) exactly for
+/// n = 2^e with e even, the float32 nearest 1/sqrt(2) times 2^(-(e-1)/2) (exact scaling) for e odd.
+KVQ_HOST_DEVICE float rotation_scale(int n) {
+  int e = 0;
+  while ((n >> e) > 1) ++e;
+  if ((e & 1) == 0) return f32_from_bits(static_cast<u32>(127 - e / 2) << 23);
+  return f32_from_bits(rotation_rsqrt2_bits - (static_cast<u32>((e - 1) / 2) << 23));
+}
+
+/// s · x exactly: x with its sign bit flipped when bit `bit` (0..63) of the sign word is 1.
+KVQ_HOST_DEVICE float rotation_apply_sign(float x, u64 word, int bit) {
+  const u32 flip = static_cast<u32>((word >> bit) & 1u) << 31;
+  return f32_from_bits(f32_bits(x) ^ flip);
+}
+
+#if !defined(__METAL_VERSION__)
+
+/// Writes the rotation_word_count(head_dim) sign words of `seed` to `words`.
+KVQ_HOST_DEVICE void rotation_sign_words(u64 seed, int head_dim, u64* words) {
+  for (int j = 0; j < rotation_word_count(head_dim); ++j) words[j] = rotation_sign_word(seed, j);
+}
+
+/// Applies the signs s_i of the sign words `words` to x: (head_dim), in place.
+KVQ_HOST_DEVICE void rotation_apply_signs(float* x, int head_dim, const u64* words) {
+  for (int i = 0; i < head_dim; ++i) x[i] = rotation_apply_sign(x[i], words[i / 64], i % 64);
+}
+
+/// Applies the signs s_i of `seed` to x: (head_dim), in place, each word computed once.
+KVQ_HOST_DEVICE void rotation_apply_signs_seed(float* x, int head_dim, u64 seed) {
+  for (int j = 0; 64 * j < head_dim; ++j) {
+    const u64 word = rotation_sign_word(seed, j);
+    const int end = head_dim - 64 * j < 64 ? head_dim : 64 * j + 64;
+    for (int i = 64 * j; i < end; ++i) x[i] = rotation_apply_sign(x[i], word, i - 64 * j);
+  }
+}
+
+/// The butterfly stages h = 1, 2, ..., n/2 (in that order) of one block u: (n), n a power of two:
+)kvq_msl",
+    R"kvq_msl(/// (u_i, u_(i+h)) -> (u_i + u_(i+h), u_i - u_(i+h)) for every i with (i & h) = 0.
+KVQ_HOST_DEVICE void rotation_butterflies(float* u, int n) {
+  for (int h = 1; h < n; h *= 2)
+    for (int s = 0; s < n; s += 2 * h)
+      for (int i = s; i < s + h; ++i) {
+        const float a = u[i];
+        const float b = u[i + h];
+        u[i] = add_rn(a, b);
+        u[i + h] = add_rn(a, -b);
+      }
+}
+
+/// The butterflies of every block of x: (head_dim), then the product of each block by its c_n.
+KVQ_HOST_DEVICE void rotation_transform_blocks(float* x, int head_dim) {
+  for (int offset = 0; offset < head_dim;) {
+    const int n = rotation_block_size(head_dim, offset);
+    rotation_butterflies(x + offset, n);
+    const float c = rotation_scale(n);
+    for (int i = offset; i < offset + n; ++i) x[i] = mul_rn(x[i], c);
+    offset += n;
+  }
+}
+
+/// y = R x in place (x: (head_dim)), R of the given seed.
+KVQ_HOST_DEVICE void rotate_forward(float* x, int head_dim, u64 seed) {
+  rotation_apply_signs_seed(x, head_dim, seed);
+  rotation_transform_blocks(x, head_dim);
+}
+
+/// x = R^T y in place (x: (head_dim)), R of the given seed.
+KVQ_HOST_DEVICE void rotate_inverse(float* x, int head_dim, u64 seed) {
+  rotation_transform_blocks(x, head_dim);
+  rotation_apply_signs_seed(x, head_dim, seed);
+}
+
+/// rotate_forward with the seed's sign words precomputed by rotation_sign_words (same bits).
+KVQ_HOST_DEVICE void rotate_forward_signs(float* x, int head_dim, const u64* words) {
+  rotation_apply_signs(x, head_dim, words);
+  rotation_transform_blocks(x, head_dim);
+}
+
+/// rotate_inverse with the seed's sign words precomputed by rotation_sign_words (same bits).
+KVQ_HOST_DEVICE void rotate_inverse_signs(float* x, int head_dim, const u64* words) {
+  rotation_transform_blocks(x, head_dim);
+  rotation_apply_signs(x, head_dim, words);
+}
+
+#endif  // !__METAL_VERSION__
+
+}  // namespace detail
+KVQ_NAMESPACE_END
+#line 13 "kvq/detail/math_tq.h"
+
+KVQ_NAMESPACE_BEGIN
+namespace detail {
+
+/// The f16 scale of every block of a row that holds a NaN or ±Inf.
+KVQ_CONSTEXPR_VAR u16 tq_poisoned_scale = 0x7e00u;
+
+/// fl32(sqrt(x)), correctly rounded on every backend.
+KVQ_HOST_DEVICE float tq_sqrt(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#elif defined(__METAL_VERSION__)
+  return metal::precise::sqrt(x);
+#else
+  return sqrtf(x);
+#endif
+}
+
+/// Bits of the j-th positive centroid (ascending, 0 <= j < 2^(bits-1)) of the bits-bit codebook.
+KVQ_HOST_DEVICE u32 tq_positive_centroid_bits(int bits, int j) {
+  if (bits == 2) return j == 0 ? 0x3ee7d567u : 0x3fc154cau;
+  if (bits == 3) {
+    switch (j) {
+      case 0:
+        return 0x3e7afb7fu;
+      case 1:
+        return 0x3f418937u;
+      case 2:
+        return 0x3fac0831u;
+      default:
+        return 0x4009ba5eu;
+    }
+  }
+  switch (j) {
+    case 0:
+      return 0x3e037b4au;
+    case 1:
+      return 0x3ec6b50bu;
+    case 2:
+      return 0x3f28240bu;
+    case 3:
+      return 0x3f714120u;
+    case 4:
+      return 0x3fa0cb29u;
+    case 5:
+      return 0x3fcf1aa0u;
+    case 6:
+      return 0x40046a7fu;
+    default:
+      return 0x402ee2ebu;
+  }
+}
+
+/// The centroid c_code (0 <= code < 2^bits, ascending, c_(2^bits-1-j) = -c_j) of the bits-bit
+/// codebook (bits = 2, 3, 4) as a float32.
+KVQ_HOST_DEVICE float tq_centroid(int bits, int code) {
+  const int half = 1 << (bits - 1);
+  if (code >= half) return f32_from_bits(tq_positive_centroid_bits(bits, code - half));
+  return f32_from_bits(tq_positive_centroid_bits(bits, half - 1 - code) | 0x80000000u);
+}
+
+/// The boundary t_j = (c_j + c_(j+1)) * 0.5 in float32 (0 <= j < 2^bits - 1).
+KVQ_HOST_DEVICE float tq_boundary(int bits, int j) {
+  return mul_rn(add_rn(tq_centroid(bits, j), tq_centroid(bits, j + 1)), 0.5f);
+}
+
+/// The code of a normalised value z: the number of boundaries t_j strictly below z.
+KVQ_HOST_DEVICE int tq_code_of(int bits, float z) {
+  int code = 0;
+  for (int j = 0; j < (1 << bits) - 1; ++j) code += tq_boundary(bits, j) < z ? 1 : 0;
+  return code;
+}
+
+/// Number of bytes of the f16 scales of a row (two per rotation block); the codes follow them.
+KVQ_HOST_DEVICE constexpr int tq_scale_bytes(int head_dim) { return 2 * rotation_block_count(head_dim); }
+
+/// Number of bytes of an encoded row: the scales, then ceil(bits * head_dim / 8) bytes of codes.
+KVQ_HOST_DEVICE constexpr int tq_row_bytes(int bits, int head_dim) {
+  return tq_scale_bytes(head_dim) + (bits * head_dim + 7) / 8;
+}
+
+}  // namespace detail
+KVQ_NAMESPACE_END
+#line 47 "kvq/core/kernel_bodies.h"
+#line 48 "kvq/core/kernel_bodies.h"
+#line 49 "kvq/core/kernel_bodies.h"
 #line 1 "kvq/core/kernel_args.h"
 // kvq: the arguments of kvq's GPU kernels, one definition for every backend (C++14 subset: C++,
 // CUDA and the Metal Shading Language compile it alike).
@@ -1013,7 +1289,10 @@ KVQ_NAMESPACE_END
 #endif
 
 /// Codec of a kernel: a template argument of the CUDA kernels, a function constant of the Metal
-/// pipelines, so every codec switch of the kernel bodies folds away.
+/// pipelines, so every codec switch of the kernel bodies folds away. A rotated codec
+/// (FORMATS.md §6.1) runs the kernels of its stored codec; the rotation is an argument (the
+/// region's seed and the flags of kvq_source::rotate, kvq_decode_args::unrotate and
+/// kvq_attention_args::rotation).
 enum kvq_codec_id : int32_t {
   kvq_codec_f32 = 0,
   kvq_codec_f16 = 1,
@@ -1030,6 +1309,9 @@ enum kvq_codec_id : int32_t {
   kvq_codec_kivi_key8 = 12,
   kvq_codec_mxfp4 = 13,  ///< ggml MXFP4: blocks of 32, E8M0 scale, E2M1 codes
   kvq_codec_nvfp4 = 14,  ///< ggml NVFP4: blocks of 64, four UE4M3 scales, E2M1 codes
+  kvq_codec_tq2 = 15,    ///< tq codebook of rotated rows (FORMATS.md §6.2), 2-bit
+  kvq_codec_tq3 = 16,
+  kvq_codec_tq4 = 17,
 };
 
 /// Element type of a kernel's input (appended keys/values) or output (decoded rows).
@@ -1062,7 +1344,7 @@ struct kvq_region {
   int32_t residual_first;    ///< residual row of token `quantized`
   float codec_scale;         ///< fp8, mxfp4, nvfp4: code = codec(x / scale), value = codec * scale
   int32_t fp8_saturate;      ///< fp8 codecs: 1 saturates overflow to ±max finite, 0 does not
-  int32_t reserved;
+  uint32_t rotation_seed;    ///< rotated codecs: the seed of R (used where an operation's flag says so)
 };
 static_assert(sizeof(kvq_region) == 64, "kvq_region must be 64 bytes on every compiler");
 
@@ -1080,9 +1362,12 @@ struct kvq_source {
   int32_t from_residual;   ///< batch rows [0, from_residual) come from the residual rows
   int32_t residual_first;  ///< residual row of batch row 0
   int32_t round_f16;       ///< 1: input values are rounded to f16 before they are encoded
+  int32_t rotate;          ///< 1: input rows are rotated by R (dst.rotation_seed) first; residual rows never
+  uint64_t mean0;          ///< centered keys: byte offset in the allocation of kv_head 0's key mean (head_dim f32)
+  int32_t mean;            ///< 1: the key mean of kv_head h is subtracted from input rows first (before R)
   int32_t reserved;
 };
-static_assert(sizeof(kvq_source) == 40, "kvq_source must be 40 bytes on every compiler");
+static_assert(sizeof(kvq_source) == 56, "kvq_source must be 56 bytes on every compiler");
 
 /// Arguments of the write kernels (buffers: the layer allocation, the input).
 ///
@@ -1091,6 +1376,9 @@ static_assert(sizeof(kvq_source) == 40, "kvq_source must be 40 bytes on every co
 ///                     [jG, jG + G) -> tile first + j
 ///   store_f16_rows:   threads (kv_heads, count, head_dim); batch row i of head h -> f16 residual
 ///                     row (first + i) % residual_rows
+///   key means (store_f16_rows with mode kvq_write_key_mean): threads (kv_heads, head_dim); the
+///                     mean of channel c of kv_head h over input tokens [0, count) -> the f32 at
+///                     byte src.mean0 + 4 (h head_dim + c)
 struct kvq_write_args {
   kvq_region dst;
   kvq_source src;
@@ -1099,25 +1387,34 @@ struct kvq_write_args {
   int32_t count;   ///< batch rows per kv_head
   int32_t first;   ///< destination unit (row or tile) or residual row of batch row 0
   int32_t blocks;  ///< blocks per encoded row (encode_rows)
-  int32_t reserved;
+  int32_t mode;    ///< kvq_write_mode: store_f16_rows's own work, or the key means
 };
-static_assert(sizeof(kvq_write_args) == 128, "kvq_write_args must be 128 bytes on every compiler");
+static_assert(sizeof(kvq_write_args) == 144, "kvq_write_args must be 144 bytes on every compiler");
 
-/// Arguments of the decode kernel (buffers: the layer allocation, the output): tokens
+/// What the codec-independent write kernel (store_f16_rows) does (kvq_write_args::mode).
+enum kvq_write_mode : int32_t {
+  kvq_write_rows = 0,      ///< f16 residual / window rows
+  kvq_write_key_mean = 1,  ///< the key means of a centered key codec, from the first chunk of a layer
+};
+
+)kvq_msl",
+    R"kvq_msl(/// Arguments of the decode kernel (buffers: the layer allocation, the output): tokens
 /// [first, first + count) of kv_head `head` to rows of `out_type`, `out_stride` elements apart.
 /// Threads (count, head_dim).
 struct kvq_decode_args {
   kvq_region src;
   uint64_t out_stride;
   int32_t head_dim;
-)kvq_msl",
-    R"kvq_msl(  int32_t head;
+  int32_t head;
   int32_t first;
   int32_t count;
   int32_t out_type;
-  int32_t unrotate;  ///< 1: un-rotate the decoded rows (reads of a rotated codec, CPU); 0: as stored
+  int32_t unrotate;  ///< 1: un-rotate the decoded rows by R (src.rotation_seed): reads of a rotated codec
+  uint64_t mean0;    ///< centered keys: byte offset of kv_head 0's key mean (head_dim f32) in the allocation
+  int32_t add_mean;  ///< 1: add the key mean of `head` to each decoded (un-rotated) value before the rounding
+  int32_t reserved;
 };
-static_assert(sizeof(kvq_decode_args) == 96, "kvq_decode_args must be 96 bytes on every compiler");
+static_assert(sizeof(kvq_decode_args) == 112, "kvq_decode_args must be 112 bytes on every compiler");
 
 /// One sequence of an attention launch: the codec state of its layer, its attended tokens and,
 /// in a paged cache, its page table and residual rows.
@@ -1132,8 +1429,18 @@ struct kvq_attention_seq {
   int32_t first_pos;             ///< position of the launch's query token 0 (decode: length - 1)
   uint64_t key_residual0;        ///< the key region's `residual0` (paged: the sequence's residual slot)
   uint64_t value_residual0;      ///< the value region's `residual0`
+  uint64_t key_mean0;            ///< centered keys: byte offset of kv_head 0's key mean in the key allocation
 };
-static_assert(sizeof(kvq_attention_seq) == 48, "kvq_attention_seq must be 48 bytes on every compiler");
+static_assert(sizeof(kvq_attention_seq) == 56, "kvq_attention_seq must be 56 bytes on every compiler");
+
+/// The rotated sides of an attention (kvq_attention_args::rotation): the query of each row is
+/// rotated by the key side's R once, before any q8_0 rounding; each row's partial output is
+/// un-rotated by the value side's R once, before it is written (R^T is linear, so it commutes
+/// with the combine and the normalisation).
+enum kvq_rotation_flags : int32_t {
+  kvq_rotate_query = 1,
+  kvq_unrotate_output = 2,
+};
 
 /// Custom mask of a multi-token attention (kvq_attention_args::mask).
 enum kvq_mask_type : int32_t {
@@ -1168,23 +1475,25 @@ struct kvq_attention_args {
   int32_t q_heads;
   int32_t split_tokens;  ///< tokens per split (a multiple of tile)
   int32_t splits;
-  int32_t tile;         ///< tokens decoded per step (<= 32)
-  int32_t heads;        ///< query heads per block
-  int32_t chunks;       ///< blocks per kv_head along the query heads
-  float scale;          ///< softmax scale (resolved: never 0)
-  float softcap;        ///< > 0: logit = softcap * tanh(logit / softcap)
-  int32_t query_q8_0;   ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
-  int32_t probs_f16;    ///< 1: probabilities are rounded to f16 before they multiply V
-  uint64_t page_bytes;  ///< paged: bytes between consecutive pages of the pool
-  int32_t page_tokens;  ///< paged: tokens per page; 0 for a flat cache (one region per layer)
-  int32_t n_q;          ///< query tokens per sequence (1: decode)
-  int32_t causal;       ///< 1: query token i attends no token past its position
-  int32_t window;       ///< > 0: query token i attends only the `window` tokens up to its position
-  int32_t mask;         ///< kvq_mask_type of the mask buffer
-  int32_t reserved;
+  int32_t tile;          ///< tokens decoded per step (<= 32)
+  int32_t heads;         ///< query heads per block
+  int32_t chunks;        ///< blocks per kv_head along the query heads
+  float scale;           ///< softmax scale (resolved: never 0)
+  float softcap;         ///< > 0: logit = softcap * tanh(logit / softcap)
+  int32_t query_q8_0;    ///< 1: the query is rounded to q8_0 (integer block dots for q8_0/q4_0 keys)
+  int32_t probs_f16;     ///< 1: probabilities are rounded to f16 before they multiply V
+  uint64_t page_bytes;   ///< paged: bytes between consecutive pages of the pool
+  int32_t page_tokens;   ///< paged: tokens per page; 0 for a flat cache (one region per layer)
+  int32_t n_q;           ///< query tokens per sequence (1: decode)
+  int32_t causal;        ///< 1: query token i attends no token past its position
+  int32_t window;        ///< > 0: query token i attends only the `window` tokens up to its position
+  int32_t mask;          ///< kvq_mask_type of the mask buffer
+  int32_t rotation;      ///< kvq_rotation_flags: rotated key / value side (seeds in the regions)
   uint64_t mask_stride;  ///< elements between the mask rows of consecutive query tokens
+  int32_t key_mean;      ///< 1: centered keys: row r's logit gets scale * (q_r . mu) (mu in q's space) before softcap
+  int32_t reserved;
 };
-static_assert(sizeof(kvq_attention_args) == 216, "kvq_attention_args must be 216 bytes on every compiler");
+static_assert(sizeof(kvq_attention_args) == 224, "kvq_attention_args must be 224 bytes on every compiler");
 
 /// Arguments of the combine kernel: merges `splits` partial states per (sequence, row) in split
 /// order and writes the normalised output (batch, rows, head_dim), rows = q_heads (n_q * q_heads
@@ -1212,6 +1521,7 @@ struct kvq_attention_smem {
   int32_t corr;    ///< (heads) rescale factor of the current tile
   int32_t qd;      ///< (heads, blocks) q8_0 query scales (query_q8_0 only)
   int32_t qcodes;  ///< (heads, blocks, 32) q8_0 query codes as bytes (query_q8_0 only)
+  int32_t off;     ///< (heads) logit offsets of centered keys (scale * q.mu)
   int32_t total;   ///< floats in all, a multiple of 4 (Metal wants 16-byte multiples)
 };
 
@@ -1231,11 +1541,12 @@ KVQ_HOST_DEVICE kvq_attention_smem kvq_attention_smem_layout(int32_t head_dim, i
   s.corr = s.l + heads;
   s.qd = s.corr + heads;
   s.qcodes = s.qd + (query_q8_0 != 0 ? heads * blocks : 0);
-  const int32_t end = s.qcodes + (query_q8_0 != 0 ? heads * blocks * 8 : 0);  // 32 codes = 8 floats per block
+  s.off = s.qcodes + (query_q8_0 != 0 ? heads * blocks * 8 : 0);  // 32 codes = 8 floats per block
+  const int32_t end = s.off + heads;
   s.total = (end + 3) / 4 * 4;
   return s;
 }
-#line 39 "kvq/core/kernel_bodies.h"
+#line 50 "kvq/core/kernel_bodies.h"
 
 #if !defined(__METAL_VERSION__)
 #  include <math.h>
@@ -1338,6 +1649,12 @@ KVQ_HOST_DEVICE float tanh_f32(float x) {
 #endif
 }
 
+/// Bits of a tq codebook codec.
+)kvq_msl",
+    R"kvq_msl(KVQ_HOST_DEVICE int tq_bits(int codec) { return codec - kvq_codec_tq2 + 2; }
+
+KVQ_HOST_DEVICE bool is_tq(int codec) { return codec >= kvq_codec_tq2 && codec <= kvq_codec_tq4; }
+
 /// Bits of a KIVI codec.
 KVQ_HOST_DEVICE int kivi_bits(int codec) {
   return (codec == kvq_codec_kivi_key2 || codec == kvq_codec_kivi_value2)   ? 2
@@ -1365,8 +1682,7 @@ KVQ_HOST_DEVICE KVQ_GLOBAL const u8* residual_ptr(KVQ_GLOBAL const u8* layer, kv
   return layer + static_cast<i64>(r.residual0) + static_cast<i64>(h) * static_cast<i64>(r.residual_stride);
 }
 
-)kvq_msl",
-    R"kvq_msl(// ---- fp8: hardware where it matches the shared software path bit for bit ------------------------
+// ---- fp8: hardware where it matches the shared software path bit for bit ------------------------
 
 /// E4M3FN code of x / scale (detail/math_fp8.h). On CUDA sm_89 and later the saturating conversion
 /// of a non-NaN quotient is the hardware `cvt.rn.satfinite.e4m3x2.f32`, which rounds to nearest
@@ -1410,24 +1726,131 @@ KVQ_HOST_DEVICE float fp8_e5m2_decode(u8 code, float scale) { return kd::e5m2_to
 
 // ---- rows of input ---------------------------------------------------------------------------------
 
-/// A row of head_dim input values: its first element, element type and whether values pass
-/// through f16 first. Rows of an f16 residual are rows of type f16.
+/// A row of head_dim input values: its first element, element type, whether values pass through
+/// f16 first, whether the row is rotated by R (seed) first and the key mean subtracted before that
+/// (centered keys; null: none). Rows of an f16 residual are rows of type f16 (stored centered and
+/// rotated: never again).
 struct row_ref {
   KVQ_GLOBAL const u8* p;
   int type;
   int round;
+  int rotate;
+  int head_dim;
+  kd::u64 seed;
+  KVQ_GLOBAL const float* mean;
 };
 
-/// Value of channel c of a row, as the CPU cache reads it (widened to f32, then f16-rounded for
-/// KIVI). Rows are aligned to their element type (user input, f16 residual rows): typed loads.
-KVQ_HOST_DEVICE float row_value(row_ref r, int c) {
-  float x;
+/// Channel c of a row widened to f32, less the key mean where the row has one (x - mu, one
+/// rounding, as the CPU cache's centered rows). Rows are aligned to their element type (user
+/// input, f16 residual rows): typed loads.
+KVQ_HOST_DEVICE float input_value(row_ref r, int c) {
+  float x = 0.0f;
   if (r.type == kvq_elem_f32) {
     x = reinterpret_cast<KVQ_GLOBAL const float*>(r.p)[c];
   } else {
     const u16 h = reinterpret_cast<KVQ_GLOBAL const u16*>(r.p)[c];
     x = r.type == kvq_elem_f16 ? kd::f16_bits_to_f32(h) : kd::bf16_bits_to_f32(h);
   }
+  return r.mean != nullptr ? kd::add_rn(x, -r.mean[c]) : x;
+}
+
+// ---- the rotation R (FORMATS.md §6.1) --------------------------------------------------------------
+
+/// Output c (0 <= c < n) of the butterfly stages h = 1, 2, ..., n/2 of one rotation block of n
+/// leaves (leaves.at(j), j = 0, 1, ... in turn), computed alone: the stages pair (u_i, u_(i+h))
+/// into (u_i + u_(i+h), u_i - u_(i+h)), so output c is a binary tree over the leaves in index
+/// order whose node at stage h adds or subtracts (bit h of c) its upper half to its lower half.
+/// The tree is walked leaf by leaf with a stack of partial results (at most log2(n) + 1 of them),
+/// each node the same rounded add as in detail::rotation_butterflies, so the result is theirs bit
+/// for bit.
+template <class Leaves>
+KVQ_HOST_DEVICE float butterfly_output(Leaves leaves, int n, int c) {
+  float stack[20];  // head_dim <= 65536: blocks of at most 2^16 leaves
+  int top = 0;
+  for (int j = 0; j < n; ++j) {
+    float v = leaves.at(j);
+    for (int k = 0; ((j >> k) & 1) != 0; ++k) {
+      const float lower = stack[--top];
+      v = ((c >> k) & 1) != 0 ? kd::add_rn(lower, -v) : kd::add_rn(lower, v);
+    }
+    stack[top++] = v;
+  }
+  return stack[0];
+}
+
+/// The sign word of channel i under `seed`, computed once per 64 channels: `index` is the word
+/// held in `word` (-1: none yet).
+struct sign_words {
+  kd::u64 seed;
+  int index;
+  kd::u64 word;
+  KVQ_HOST_DEVICE float apply(float x, int i) {
+    if (i / 64 != index) {
+      index = i / 64;
+      word = kd::rotation_sign_word(seed, index);
+    }
+    return kd::rotation_apply_sign(x, word, i % 64);
+  }
+};
+
+KVQ_HOST_DEVICE sign_words make_sign_words(kd::u64 seed) {
+  sign_words s;
+  s.seed = seed;
+  s.index = -1;
+  s.word = 0;
+  return s;
+}
+
+/// The leaves of R x over the rotation block at channel o of an input row: s_i x_i.
+struct input_leaves {
+  row_ref x;
+  int o;
+  sign_words signs;
+  KVQ_HOST_DEVICE float at(int j) { return signs.apply(input_value(x, o + j), o + j); }
+};
+
+/// Channel c of R x for an input row x, as detail::rotate_forward_signs: the butterflies of c's
+/// rotation block over s_i x_i, times c_n.
+KVQ_HOST_DEVICE float rotated_coordinate(row_ref x, int c) {
+  const int o = kd::rotation_block_start(x.head_dim, c);
+  const int n = kd::rotation_block_size(x.head_dim, o);
+  input_leaves leaves;
+  leaves.x = x;
+  leaves.o = o;
+  leaves.signs = make_sign_words(x.seed);
+  return kd::mul_rn(butterfly_output(leaves, n, c - o), kd::rotation_scale(n));
+}
+
+/// Applies R (inverse false) or R^T (inverse true) to a row x: (head_dim) in block-shared memory,
+/// as detail::rotate_forward_signs / rotate_inverse_signs: signs, butterflies per rotation block,
+/// times c_n (R^T: the signs last).
+KVQ_HOST_DEVICE void rotate_shared_row(KVQ_SHARED float* x, int head_dim, kd::u64 seed, bool inverse) {
+  sign_words signs = make_sign_words(seed);
+  if (!inverse)
+    for (int i = 0; i < head_dim; ++i) x[i] = signs.apply(x[i], i);
+  for (int o = 0; o < head_dim;) {
+    const int n = kd::rotation_block_size(head_dim, o);
+    KVQ_SHARED float* u = x + o;
+    for (int h = 1; h < n; h *= 2)
+      for (int s = 0; s < n; s += 2 * h)
+        for (int i = s; i < s + h; ++i) {
+          const float a = u[i];
+          const float b = u[i + h];
+          u[i] = kd::add_rn(a, b);
+          u[i + h] = kd::add_rn(a, -b);
+        }
+    const float cn = kd::rotation_scale(n);
+    for (int i = 0; i < n; ++i) u[i] = kd::mul_rn(u[i], cn);
+    o += n;
+  }
+  if (inverse)
+    for (int i = 0; i < head_dim; ++i) x[i] = signs.apply(x[i], i);
+}
+
+/// Value of channel c of a row, as the CPU cache reads it: widened to f32, rotated (a rotated
+/// codec's input row), then f16-rounded for KIVI.
+KVQ_HOST_DEVICE float row_value(row_ref r, int c) {
+  const float x = r.rotate != 0 ? rotated_coordinate(r, c) : input_value(r, c);
   return r.round != 0 ? round_f16_satfinite(x) : x;
 }
 
@@ -1440,6 +1863,8 @@ KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8
     r.p = residual_ptr(layer, a.dst, h) + static_cast<i64>(row) * static_cast<i64>(a.head_dim) * 2;
     r.type = kvq_elem_f16;
     r.round = 0;
+    r.rotate = 0;      // stored rotated
+    r.mean = nullptr;  // stored centered
   } else {
     const i64 token = static_cast<i64>(a.src.first + i - a.src.from_residual);
     r.p = input +
@@ -1447,7 +1872,13 @@ KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8
               elem_bytes(a.src.type);
     r.type = a.src.type;
     r.round = a.src.round_f16;
+    r.rotate = a.src.rotate;
+    r.mean = a.src.mean != 0 ? reinterpret_cast<KVQ_GLOBAL const float*>(layer + static_cast<i64>(a.src.mean0)) +
+                                   static_cast<i64>(h) * a.head_dim
+                             : nullptr;
   }
+  r.head_dim = a.head_dim;
+  r.seed = a.dst.rotation_seed;
   return r;
 }
 
@@ -1504,7 +1935,8 @@ KVQ_HOST_DEVICE void encode_q4_0(row_ref x, int head_dim, int b, KVQ_GLOBAL u8* 
   st_u16(blk, kd::f32_to_f16_bits(d));
   for (int j = 0; j < 16; ++j) {
     const int lo = kd::q4_0_code(j < n ? row_value(x, c0 + j) : 0.0f, id);
-    const int hi = kd::q4_0_code(j + 16 < n ? row_value(x, c0 + j + 16) : 0.0f, id);
+)kvq_msl",
+    R"kvq_msl(    const int hi = kd::q4_0_code(j + 16 < n ? row_value(x, c0 + j + 16) : 0.0f, id);
     blk[2 + j] = static_cast<u8>(static_cast<unsigned>(lo | (hi << 4)) & 0xffu);
   }
 }
@@ -1614,6 +2046,63 @@ KVQ_HOST_DEVICE void encode_nvfp4(row_ref x, int head_dim, int b, float scale, K
   }
 }
 
+/// Reduces 32 partial sums in place, p_l += p_(l+16) for l < 16, then +8, +4, +2, +1, and returns
+/// p_0 (FORMATS.md §6.2 step 2, as detail::tq_reduce_partials).
+KVQ_HOST_DEVICE float reduce_partials(KVQ_THREAD float* p) {
+  for (int w = 16; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) p[l] = kd::add_rn(p[l], p[l + w]);
+  return p[0];
+}
+
+/// Encodes a whole (rotated) row as a tq codebook row of `bits` bits (FORMATS.md §6.2 steps 2-8):
+/// the f16 scales of its rotation blocks, then the codes of every coordinate as one LSB-first bit
+/// stream. As detail::tq_encode_row.
+KVQ_HOST_DEVICE void encode_tq(row_ref x, int head_dim, int bits, KVQ_GLOBAL u8* row) {
+  const int blocks = kd::rotation_block_count(head_dim);
+  KVQ_GLOBAL u8* codes = row + 2 * blocks;
+  const int code_bytes = (bits * head_dim + 7) / 8;
+  for (int k = 0; k < code_bytes; ++k) codes[k] = 0;
+  bool finite = true;
+  for (int i = 0; i < head_dim && finite; ++i) finite = kd::is_finite_f32(row_value(x, i));
+  if (!finite) {
+    for (int b = 0; b < blocks; ++b) st_u16(row + 2 * b, kd::tq_poisoned_scale);
+    return;
+  }
+  const int levels = 1 << bits;
+  float boundary[15];
+  for (int j = 0; j + 1 < levels; ++j) boundary[j] = kd::tq_boundary(bits, j);
+  int block = 0;
+  for (int o = 0; o < head_dim; ++block) {
+    const int n = kd::rotation_block_size(head_dim, o);
+    float p[32];
+    for (int l = 0; l < 32; ++l) p[l] = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const float v = row_value(x, o + i);
+      p[i & 31] = kd::add_rn(p[i & 31], kd::mul_rn(v, v));
+    }
+    const float nu = kd::tq_sqrt(reduce_partials(p));
+    unsigned scale = 0;  // a block of zeros: scale +0, codes 0
+    if (nu != 0.0f) {
+      const float k = kd::div_rn(kd::tq_sqrt(static_cast<float>(n)), nu);
+      for (int l = 0; l < 32; ++l) p[l] = 0.0f;
+      for (int i = 0; i < n; ++i) {
+        const float z = kd::mul_rn(row_value(x, o + i), k);
+        int code = 0;
+        for (int j = 0; j + 1 < levels; ++j) code += boundary[j] < z ? 1 : 0;
+        const int bit = bits * (o + i);
+        const unsigned shifted = static_cast<unsigned>(code) << (bit % 8);
+        codes[bit / 8] = static_cast<u8>(codes[bit / 8] | (shifted & 0xffu));
+        if (shifted > 0xffu) codes[bit / 8 + 1] = static_cast<u8>(codes[bit / 8 + 1] | (shifted >> 8));
+        const float cv = kd::tq_centroid(bits, code);
+        p[i & 31] = kd::add_rn(p[i & 31], kd::mul_rn(cv, cv));
+      }
+      scale = kd::f32_to_f16_bits(kd::div_rn(nu, kd::tq_sqrt(reduce_partials(p))));
+    }
+    st_u16(row + 2 * block, scale);
+    o += n;
+  }
+}
+
 /// Encodes block b of a row of a row codec into `row` (the row's first byte).
 KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq_region r, KVQ_GLOBAL u8* row) {
   switch (codec) {
@@ -1646,10 +2135,14 @@ KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq
       encode_nvfp4(x, head_dim, b, r.codec_scale,
                    row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_nvfp4)));
       break;
+    case kvq_codec_tq2:
+    case kvq_codec_tq3:
+    case kvq_codec_tq4:  // one unit per row
+      encode_tq(x, head_dim, tq_bits(codec), row);
+      break;
     default:  // KIVI values
       encode_kivi_value(x, head_dim, b, r.group, kivi_bits(codec), row);
-)kvq_msl",
-    R"kvq_msl(      break;
+      break;
   }
 }
 
@@ -1703,7 +2196,8 @@ KVQ_HOST_DEVICE void store_f16_at(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* laye
 /// Thread `idx` of encode_rows: threads (kv_heads, count, blocks), blocks fastest.
 KVQ_HOST_DEVICE void encode_rows_thread(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
                                         KVQ_GLOBAL const u8* input, i64 idx) {
-  const i64 per_head = static_cast<i64>(a.count) * a.blocks;
+)kvq_msl",
+    R"kvq_msl(  const i64 per_head = static_cast<i64>(a.count) * a.blocks;
   if (idx >= per_head * a.kv_heads) return;
   const int h = static_cast<int>(idx / per_head);
   const i64 rem = idx - static_cast<i64>(h) * per_head;
@@ -1722,9 +2216,45 @@ KVQ_HOST_DEVICE void encode_key_tiles_thread(int codec, KVQ_ARG(kvq_write_args) 
   encode_key_tile_at(codec, a, layer, input, h, j, static_cast<int>(rem - static_cast<i64>(j) * a.head_dim));
 }
 
-/// Thread `idx` of store_f16_rows: threads (kv_heads, count, head_dim), channels fastest.
+/// The key mean of channel c of kv_head h of a centered key codec, from input tokens [0, count)
+/// (the first chunk appended to an empty layer), into the f32 at byte src.mean0 + 4 (h head_dim +
+/// c): the finite values summed in f32 in token order, divided by their count (0 without any), as
+/// kvq::detail::chunk_key_mean.
+KVQ_HOST_DEVICE void key_mean_at(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer, KVQ_GLOBAL const u8* input, int h,
+                                 int c) {
+  row_ref r;
+  r.p = input;
+  r.type = a.src.type;
+  r.round = 0;
+  r.rotate = 0;
+  r.head_dim = a.head_dim;
+  r.seed = 0;
+  r.mean = nullptr;
+  float sum = 0.0f;
+  int n = 0;
+  for (int t = 0; t < a.count; ++t) {
+    r.p = input + (static_cast<i64>(t) * static_cast<i64>(a.src.token_stride) +
+                   static_cast<i64>(h) * static_cast<i64>(a.src.head_stride)) *
+                      elem_bytes(a.src.type);
+    const float x = input_value(r, c);
+    if (!kd::is_finite_f32(x)) continue;
+    sum = kd::add_rn(sum, x);
+    ++n;
+  }
+  reinterpret_cast<KVQ_GLOBAL float*>(layer + static_cast<i64>(a.src.mean0))[static_cast<i64>(h) * a.head_dim + c] =
+      n > 0 ? kd::div_rn(sum, static_cast<float>(n)) : 0.0f;
+}
+
+/// Thread `idx` of store_f16_rows: threads (kv_heads, count, head_dim), channels fastest; with
+/// mode kvq_write_key_mean, threads (kv_heads, head_dim) of key_mean_at.
 KVQ_HOST_DEVICE void store_f16_rows_thread(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer, KVQ_GLOBAL const u8* input,
                                            i64 idx) {
+  if (a.mode == kvq_write_key_mean) {
+    if (idx >= static_cast<i64>(a.kv_heads) * a.head_dim) return;
+    const int h = static_cast<int>(idx / a.head_dim);
+    key_mean_at(a, layer, input, h, static_cast<int>(idx - static_cast<i64>(h) * a.head_dim));
+    return;
+  }
   const i64 per_head = static_cast<i64>(a.count) * a.head_dim;
   if (idx >= per_head * a.kv_heads) return;
   const int h = static_cast<int>(idx / per_head);
@@ -1774,6 +2304,17 @@ KVQ_HOST_DEVICE float decode_row_element(int codec, KVQ_GLOBAL const u8* row, in
       if (blk[s] == kd::nvfp4_poisoned_scale) return kd::fp4_nan();
       return kd::mul_rn(kd::fp4_value(code, kd::nvfp4_half_scale(blk[s])), r.codec_scale);
     }
+    case kvq_codec_tq2:
+    case kvq_codec_tq3:
+    case kvq_codec_tq4: {  // c[code_c] * g of c's rotation block (rotated space), as tq_decode_row
+      const int bits = tq_bits(codec);
+      KVQ_GLOBAL const u8* codes = row + kd::tq_scale_bytes(head_dim);
+      const int bit = bits * c;
+      unsigned window = codes[bit / 8];
+      if (bit % 8 + bits > 8) window |= static_cast<unsigned>(codes[bit / 8 + 1]) << 8;
+      const int code = static_cast<int>((window >> (bit % 8)) & ((1u << bits) - 1u));
+      return kd::mul_rn(kd::tq_centroid(bits, code), ld_f16(row + 2 * kd::rotation_block_of(head_dim, c)));
+    }
     default: {  // KIVI values
       const int bits = kivi_bits(codec);
       const int gv = imin(r.group, head_dim);
@@ -1808,11 +2349,45 @@ KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, KVQ_GL
   return decode_row_element(codec, reg + static_cast<i64>(t) * static_cast<i64>(r.unit_bytes), head_dim, c, r);
 }
 
+/// The leaves of R^T y over the rotation block at channel o of token t: the decoded (rotated)
+/// channels of the token.
+struct decoded_leaves {
+  int codec;
+  KVQ_GLOBAL const u8* reg;
+  KVQ_GLOBAL const u8* res;
+  kvq_region r;
+  int head_dim;
+  int t;
+  int o;
+  KVQ_HOST_DEVICE float at(int j) { return decode_element(codec, reg, res, r, head_dim, t, o + j); }
+};
+
+/// Channel c of token t of kv_head `head`, un-rotated when a.unrotate (R^T of the decoded row, as
+/// detail::rotate_inverse_signs: the butterflies of c's rotation block, times c_n, then s_c).
+KVQ_HOST_DEVICE float read_element(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL const u8* layer, int t, int c) {
+  KVQ_GLOBAL const u8* reg = region_ptr(layer, a.src, a.head);
+  KVQ_GLOBAL const u8* res = residual_ptr(layer, a.src, a.head);
+  if (a.unrotate == 0) return decode_element(codec, reg, res, a.src, a.head_dim, t, c);
+  decoded_leaves leaves;
+  leaves.codec = codec;
+  leaves.reg = reg;
+  leaves.res = res;
+  leaves.r = a.src;
+  leaves.head_dim = a.head_dim;
+  leaves.t = t;
+  leaves.o = kd::rotation_block_start(a.head_dim, c);
+  const int n = kd::rotation_block_size(a.head_dim, leaves.o);
+  sign_words signs = make_sign_words(a.src.rotation_seed);
+  return signs.apply(kd::mul_rn(butterfly_output(leaves, n, c - leaves.o), kd::rotation_scale(n)), c);
+}
+
 /// decode: channel c of token first + i of kv_head `head`, written as out_type at row i.
 KVQ_HOST_DEVICE void decode_at(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL const u8* layer, KVQ_GLOBAL u8* out,
                                int i, int c) {
-  const float v = decode_element(codec, region_ptr(layer, a.src, a.head), residual_ptr(layer, a.src, a.head), a.src,
-                                 a.head_dim, a.first + i, c);
+  float v = read_element(codec, a, layer, a.first + i, c);
+  if (a.add_mean != 0)  // centered keys: decode + mu in f32, then one rounding
+    v = kd::add_rn(v, reinterpret_cast<KVQ_GLOBAL const float*>(
+                          layer + static_cast<i64>(a.mean0))[static_cast<i64>(a.head) * a.head_dim + c]);
   const i64 o = static_cast<i64>(i) * static_cast<i64>(a.out_stride) + c;
   if (a.out_type == kvq_elem_f32) {
     reinterpret_cast<KVQ_GLOBAL float*>(out)[o] = v;  // outputs are aligned to their element type
@@ -1852,7 +2427,8 @@ KVQ_HOST_DEVICE float block_dot(int codec, KVQ_GLOBAL const u8* row, int b, KVQ_
   return kd::mul_rn(kd::mul_rn(static_cast<float>(sumi), ld_f16(blk)), dq);
 }
 
-/// The first token of the units holding token t in an attention (see kvq_attention_args): its
+)kvq_msl",
+    R"kvq_msl(/// The first token of the units holding token t in an attention (see kvq_attention_args): its
 /// page's first token in a paged cache, 0 in a flat one.
 KVQ_HOST_DEVICE int attention_units_first(KVQ_ARG(kvq_attention_args) a, int t) {
   return a.page_tokens > 0 ? t / a.page_tokens * a.page_tokens : 0;
@@ -1862,8 +2438,7 @@ KVQ_HOST_DEVICE int attention_units_first(KVQ_ARG(kvq_attention_args) a, int t) 
 /// cache (page table `pages` from index `pages_first`).
 KVQ_HOST_DEVICE KVQ_GLOBAL const u8* attention_units(KVQ_ARG(kvq_attention_args) a, KVQ_GLOBAL const int32_t* pages,
                                                      int pages_first, KVQ_GLOBAL const u8* layer, kvq_region r, int kv,
-)kvq_msl",
-    R"kvq_msl(                                                     int t) {
+                                                     int t) {
   if (a.page_tokens > 0)
     layer += static_cast<i64>(pages[pages_first + t / a.page_tokens]) * static_cast<i64>(a.page_bytes);
   return region_ptr(layer, r, kv);
@@ -1981,16 +2556,32 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   KVQ_SHARED float* c_s = smem + L.corr;
   KVQ_SHARED float* qd_s = smem + L.qd;
   KVQ_SHARED int8_t* qc_s = reinterpret_cast<KVQ_SHARED int8_t*>(smem + L.qcodes);
+  KVQ_SHARED float* off_s = smem + L.off;
 
-  // The query heads of this block: as given, or rounded to q8_0 blocks as q8_0::encode_row and
-  // decode_row do (codes kept for the integer dots).
+  // The query rows of this block: as given, rotated by the key side's R (a rotated key codec), then
+  // rounded to q8_0 blocks on request as q8_0::encode_row and decode_row do (codes kept for the
+  // integer dots), as kvq's prepare_query.
   for (int k = 0; k < lanes; ++k) {
     const int tid = th.tid(k);
-    if (a.query_q8_0 != 0) {
-      for (int w = tid; w < nh * nb; w += nt) {
+    for (int w = tid; w < nh * hd; w += nt) q_s[w] = query[attention_row(a, kv, g0 + w / hd) * hd + w % hd];
+    for (int w = tid; w < nh * hd; w += nt) o_s[w] = 0.0f;
+    for (int w = tid; w < nh; w += nt) {
+      m_s[w] = ninf;
+      l_s[w] = 0.0f;
+    }
+  }
+  if ((a.rotation & kvq_rotate_query) != 0) {
+    th.barrier();
+    for (int k = 0; k < lanes; ++k)
+      for (int g = th.tid(k); g < nh; g += nt) rotate_shared_row(q_s + g * hd, hd, a.key.rotation_seed, false);
+  }
+  if (a.query_q8_0 != 0) {
+    th.barrier();
+    for (int k = 0; k < lanes; ++k) {
+      for (int w = th.tid(k); w < nh * nb; w += nt) {  // each block in place
         const int g = w / nb;
         const int b = w % nb;
-        KVQ_GLOBAL const float* x = query + attention_row(a, kv, g0 + g) * hd;
+        KVQ_SHARED float* x = q_s + g * hd;
         const int c0 = 32 * b;
         const int n = imin(32, hd - c0);
         float amax = 0.0f;
@@ -2007,19 +2598,35 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         for (int j = 0; j < 32; ++j) {
           const int code = (finite && j < n) ? kd::q8_0_code(x[c0 + j], id) : 0;
           qc_s[(g * nb + b) * 32 + j] = static_cast<int8_t>(code);
-          if (j < n) q_s[g * hd + c0 + j] = kd::q8_0_value(code, dq);
+          if (j < n) x[c0 + j] = kd::q8_0_value(code, dq);
         }
       }
-    } else {
-      for (int w = tid; w < nh * hd; w += nt) q_s[w] = query[attention_row(a, kv, g0 + w / hd) * hd + w % hd];
-    }
-    for (int w = tid; w < nh * hd; w += nt) o_s[w] = 0.0f;
-    for (int w = tid; w < nh; w += nt) {
-      m_s[w] = ninf;
-      l_s[w] = 0.0f;
     }
   }
   th.barrier();
+  // Centered keys: each row's logit offset scale * (q . mu), q the prepared query row and mu the
+  // key mean of kv taken into its space (rotated as the query), as kvq::detail::centered_call;
+  // k_s holds mu until the first tile.
+  if (a.key_mean != 0) {
+    KVQ_GLOBAL const float* mu = reinterpret_cast<KVQ_GLOBAL const float*>(key_layer + static_cast<i64>(sq.key_mean0)) +
+                                 static_cast<i64>(kv) * hd;
+    for (int k = 0; k < lanes; ++k)
+      for (int w = th.tid(k); w < hd; w += nt) k_s[w] = mu[w];
+    th.barrier();
+    if ((a.rotation & kvq_rotate_query) != 0) {
+      for (int k = 0; k < lanes; ++k)
+        if (th.tid(k) == 0) rotate_shared_row(k_s, hd, a.key.rotation_seed, false);
+      th.barrier();
+    }
+    for (int k = 0; k < lanes; ++k) {
+      for (int g = th.tid(k); g < nh; g += nt) {
+        float dot = 0.0f;
+        for (int c = 0; c < hd; ++c) dot = kd::madd_f32(q_s[g * hd + c], k_s[c], dot);
+        off_s[g] = kd::mul_rn(dot, a.scale);
+      }
+    }
+    th.barrier();
+  }
 
   for (int t0 = t_begin; t0 < t_end; t0 += T) {
     const int n = imin(T, t_end - t0);
@@ -2064,10 +2671,12 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
           for (int c = 0; c < hd; ++c) dot += q_s[g * hd + c] * k_s[i * kstride + c];
         }
         float s = dot * a.scale;
+        if (a.key_mean != 0) s = kd::add_rn(s, off_s[g]);  // centered keys: before the softcap
         if (a.softcap > 0.0f) s = a.softcap * tanh_f32(s / a.softcap);
         if (a.mask == kvq_mask_additive) s += reinterpret_cast<KVQ_GLOBAL const float*>(mask)[mrow];
         p_s[g * T + i] = s;
-      }
+)kvq_msl",
+    R"kvq_msl(      }
     }
     th.barrier();
 
@@ -2120,12 +2729,17 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         }
       }
     }
-)kvq_msl",
-    R"kvq_msl(    // No barrier here: the next tile writes k_s and p_s, whose readers finished before the
+    // No barrier here: the next tile writes k_s and p_s, whose readers finished before the
     // softmax barrier, and w_s and c_s only after its own logits barrier, which every thread
     // reaches after its P·V.
   }
   th.barrier();  // o_s channels are written out by other threads
+  // Each row un-rotated once: the values were accumulated in the value side's rotated space.
+  if ((a.rotation & kvq_unrotate_output) != 0) {
+    for (int k = 0; k < lanes; ++k)
+      for (int g = th.tid(k); g < nh; g += nt) rotate_shared_row(o_s + g * hd, hd, a.value.rotation_seed, true);
+    th.barrier();
+  }
 
   // The partial state of every row of the block.
   for (int k = 0; k < lanes; ++k) {

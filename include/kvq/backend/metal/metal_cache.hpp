@@ -872,6 +872,11 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
   }
 
   /// The cache core (state, sides, storage) that kvq's free functions (save, load, attention) use.
+  /// Centered keys (`centered<C>`): copies the key means μ of `layer` (kv_heads × head_dim f32, the
+  /// CPU cache's key_mean of each head in turn) to host memory `out`, once the device's work is
+  /// done; zeros while the layer is empty. Raises index_error, device_error.
+  void read_key_means(int layer, float* out) requires core_type::device_means { core_.read_key_means(layer, out); }
+
   auto core() noexcept -> core_type& { return core_; }
   auto core() const noexcept -> core_type const& { return core_; }
 
@@ -1251,6 +1256,13 @@ class PagedKVCache<Choice, metal> : public cache_codecs<Choice> {
   }
 
   /// The cache core (state, sides, storage) that kvq's free functions (save, load, attention) use.
+  /// Centered keys (`centered<C>`): copies the key means μ of `layer` of `seq` (kv_heads × head_dim
+  /// f32) to host memory `out`, once the device's work is done; zeros while the layer is empty.
+  /// Raises index_error, device_error.
+  void read_key_means(sequence_id seq, int layer, float* out) requires core_type::device_means {
+    core_.read_key_means(seq, layer, out);
+  }
+
   auto core() noexcept -> core_type& { return core_; }
   auto core() const noexcept -> core_type const& { return core_; }
 
