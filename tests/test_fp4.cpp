@@ -44,7 +44,10 @@ auto kernel_encode(std::vector<float> const& x, float scale = 1.0f) -> std::vect
   std::vector<std::uint8_t> out(g.bytes(), 0xcd);
   kvq_region r{};
   r.codec_scale = scale;
-  kvq::kernels::row_ref row{reinterpret_cast<unsigned char const*>(x.data()), kvq_elem_f32, 0};
+  kvq::kernels::row_ref row{};  // f32, no rounding, rotation or key mean
+  row.p = reinterpret_cast<unsigned char const*>(x.data());
+  row.type = kvq_elem_f32;
+  row.head_dim = n;
   for (int b = 0; b < g.blocks; ++b)
     kvq::kernels::encode_block(kvq::detail::kernel_codec<Codec>::value, row, n, b, r, out.data());
   return out;

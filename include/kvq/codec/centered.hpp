@@ -46,12 +46,7 @@ namespace detail {
 
 /// "ctr-" followed by C's name, as a constant array.
 template <codec C>
-inline constexpr auto centered_name_chars = [] {
-  std::array<char, C::name.size() + 4> a{};
-  a[0] = 'c', a[1] = 't', a[2] = 'r', a[3] = '-';
-  for (std::size_t i = 0; i < C::name.size(); ++i) a[i + 4] = C::name[i];
-  return a;
-}();
+inline constexpr auto const& centered_name_chars = prefixed_name_chars<C, 'c', 't', 'r', '-'>;
 
 /// The stored codec and rotation seed of a rotated C, forwarded so that centered<rotated<X>> is a
 /// rotated codec (its queries, inputs and reads are rotated as rotated<X>'s).

@@ -51,14 +51,18 @@ using stored_codec_t = typename stored_codec_of<C>::type;
 
 namespace detail {
 
-/// "rot-" followed by C's name, as a constant array.
-template <codec C>
-inline constexpr auto rotated_name_chars = [] {
-  std::array<char, C::name.size() + 4> a{};
-  a[0] = 'r', a[1] = 'o', a[2] = 't', a[3] = '-';
-  for (std::size_t i = 0; i < C::name.size(); ++i) a[i + 4] = C::name[i];
+/// The characters `Prefix` followed by C's name, as a constant array (the names of the wrapper
+/// codecs: "rot-q4_0", "ctr-q4_0").
+template <codec C, char... Prefix>
+inline constexpr auto prefixed_name_chars = [] {
+  std::array<char, C::name.size() + sizeof...(Prefix)> a{Prefix...};
+  for (std::size_t i = 0; i < C::name.size(); ++i) a[i + sizeof...(Prefix)] = C::name[i];
   return a;
 }();
+
+/// "rot-" followed by C's name, as a constant array.
+template <codec C>
+inline constexpr auto const& rotated_name_chars = prefixed_name_chars<C, 'r', 'o', 't', '-'>;
 
 /// The KIVI constants (bits, group) of C, forwarded when C has them.
 template <class C>

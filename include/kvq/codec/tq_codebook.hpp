@@ -33,17 +33,6 @@ namespace detail {
 
 #if !defined(__METAL_VERSION__)
 
-/// Adds v * v (product rounded) to partial sum i mod 32 of p: (32).
-KVQ_HOST_DEVICE void tq_accumulate_square(float* p, int i, float v) { p[i & 31] = add_rn(p[i & 31], mul_rn(v, v)); }
-
-/// Reduces the 32 partial sums p in place, p_l += p_(l+16) for l < 16, then +8, +4, +2, +1, and
-/// returns p_0.
-KVQ_HOST_DEVICE float tq_reduce_partials(float* p) {
-  for (int w = 16; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) p[l] = add_rn(p[l], p[l + w]);
-  return p[0];
-}
-
 /// The f16 scale bits of block `block` of an encoded row.
 KVQ_HOST_DEVICE u16 tq_scale_bits(const u8* src, int block) {
   return static_cast<u16>(src[2 * block] | (src[2 * block + 1] << 8));
@@ -80,61 +69,24 @@ KVQ_HOST_DEVICE void tq_tables(int bits, float* centroid, float* boundary) {
   for (int j = 0; j + 1 < (1 << bits); ++j) boundary[j] = tq_boundary(bits, j);
 }
 
+/// A row of floats in host memory, as the shared encoder reads it (at(i) = y[i]).
+struct tq_float_row {
+  const float* y;
+  KVQ_HOST_DEVICE float at(int i) const { return y[i]; }
+};
+
 /// Encodes the finite rotation block y: (n) whose first coordinate is coordinate `offset` of the
 /// row (FORMATS.md §6.2 steps 2-5): ORs its codes into the row's zeroed code bytes `codes` and
 /// returns the f16 bits of its scale. `centroid` and `boundary` come from tq_tables.
 KVQ_HOST_DEVICE u16 tq_encode_block(int bits, const float* y, int offset, int n, u8* codes, const float* centroid,
                                     const float* boundary) {
-  const int levels = 1 << bits;
-  float p[32];
-  for (int l = 0; l < 32; ++l) p[l] = 0.0f;
-  for (int i = 0; i < n; ++i) tq_accumulate_square(p, i, y[i]);
-  const float nu = tq_sqrt(tq_reduce_partials(p));
-  if (nu == 0.0f) return 0;
-  const float k = div_rn(tq_sqrt(static_cast<float>(n)), nu);
-  for (int l = 0; l < 32; ++l) p[l] = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    const float z = mul_rn(y[i], k);
-    int code = 0;
-    for (int j = 0; j + 1 < levels; ++j) code += boundary[j] < z ? 1 : 0;
-    const int bit = bits * (offset + i);
-    const u32 shifted = static_cast<u32>(code) << (bit % 8);
-    codes[bit / 8] = static_cast<u8>(codes[bit / 8] | (shifted & 0xffu));
-    if (shifted > 0xffu) codes[bit / 8 + 1] = static_cast<u8>(codes[bit / 8 + 1] | (shifted >> 8));
-    tq_accumulate_square(p, i, centroid[code]);
-  }
-  const float rho = tq_sqrt(tq_reduce_partials(p));
-  return f32_to_f16_bits(div_rn(nu, rho));
-}
-
-/// Writes the scale bits of block `block` of an encoded row.
-KVQ_HOST_DEVICE void tq_set_scale_bits(u8* dst, int block, u16 scale) {
-  dst[2 * block] = static_cast<u8>(scale & 0xffu);
-  dst[2 * block + 1] = static_cast<u8>(scale >> 8);
+  return tq_encode_block_values(bits, tq_float_row{y}, offset, n, codes, centroid, boundary);
 }
 
 /// Encodes a rotated row y: (head_dim) into tq_row_bytes(bits, head_dim) bytes (FORMATS.md §6.2
 /// steps 2-8).
 KVQ_HOST_DEVICE void tq_encode_row(int bits, const float* y, int head_dim, u8* dst) {
-  const int blocks = rotation_block_count(head_dim);
-  u8* codes = dst + 2 * blocks;
-  const int code_bytes = (bits * head_dim + 7) / 8;
-  for (int k = 0; k < code_bytes; ++k) codes[k] = 0;
-  bool finite = true;
-  for (int i = 0; i < head_dim; ++i) finite = finite && is_finite_f32(y[i]);
-  if (!finite) {
-    for (int b = 0; b < blocks; ++b) tq_set_scale_bits(dst, b, tq_poisoned_scale);
-    return;
-  }
-  float centroid[16];
-  float boundary[15];
-  tq_tables(bits, centroid, boundary);
-  int block = 0;
-  for (int offset = 0; offset < head_dim; ++block) {
-    const int n = rotation_block_size(head_dim, offset);
-    tq_set_scale_bits(dst, block, tq_encode_block(bits, y + offset, offset, n, codes, centroid, boundary));
-    offset += n;
-  }
+  tq_encode_row_values(bits, tq_float_row{y}, head_dim, dst);
 }
 
 /// Decodes an encoded row into y^: (head_dim), y^_i = c[code_i] * g (rotated space; NaN for a

@@ -544,61 +544,18 @@ KVQ_HOST_DEVICE void encode_nvfp4(row_ref x, int head_dim, int b, float scale, K
   }
 }
 
-/// Reduces 32 partial sums in place, p_l += p_(l+16) for l < 16, then +8, +4, +2, +1, and returns
-/// p_0 (FORMATS.md §6.2 step 2, as detail::tq_reduce_partials).
-KVQ_HOST_DEVICE float reduce_partials(KVQ_THREAD float* p) {
-  for (int w = 16; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) p[l] = kd::add_rn(p[l], p[l + w]);
-  return p[0];
-}
+/// The values of an input row as the tq encoder reads them (at(i): row_value, rotated).
+struct tq_input_row {
+  row_ref x;
+  KVQ_HOST_DEVICE float at(int i) { return row_value(x, i); }
+};
 
-/// Encodes a whole (rotated) row as a tq codebook row of `bits` bits (FORMATS.md §6.2 steps 2-8):
-/// the f16 scales of its rotation blocks, then the codes of every coordinate as one LSB-first bit
-/// stream. As detail::tq_encode_row.
+/// Encodes a whole (rotated) row as a tq codebook row of `bits` bits (FORMATS.md §6.2 steps 2-8)
+/// with the encoder the CPU runs (detail::tq_encode_row_values).
 KVQ_HOST_DEVICE void encode_tq(row_ref x, int head_dim, int bits, KVQ_GLOBAL u8* row) {
-  const int blocks = kd::rotation_block_count(head_dim);
-  KVQ_GLOBAL u8* codes = row + 2 * blocks;
-  const int code_bytes = (bits * head_dim + 7) / 8;
-  for (int k = 0; k < code_bytes; ++k) codes[k] = 0;
-  bool finite = true;
-  for (int i = 0; i < head_dim && finite; ++i) finite = kd::is_finite_f32(row_value(x, i));
-  if (!finite) {
-    for (int b = 0; b < blocks; ++b) st_u16(row + 2 * b, kd::tq_poisoned_scale);
-    return;
-  }
-  const int levels = 1 << bits;
-  float boundary[15];
-  for (int j = 0; j + 1 < levels; ++j) boundary[j] = kd::tq_boundary(bits, j);
-  int block = 0;
-  for (int o = 0; o < head_dim; ++block) {
-    const int n = kd::rotation_block_size(head_dim, o);
-    float p[32];
-    for (int l = 0; l < 32; ++l) p[l] = 0.0f;
-    for (int i = 0; i < n; ++i) {
-      const float v = row_value(x, o + i);
-      p[i & 31] = kd::add_rn(p[i & 31], kd::mul_rn(v, v));
-    }
-    const float nu = kd::tq_sqrt(reduce_partials(p));
-    unsigned scale = 0;  // a block of zeros: scale +0, codes 0
-    if (nu != 0.0f) {
-      const float k = kd::div_rn(kd::tq_sqrt(static_cast<float>(n)), nu);
-      for (int l = 0; l < 32; ++l) p[l] = 0.0f;
-      for (int i = 0; i < n; ++i) {
-        const float z = kd::mul_rn(row_value(x, o + i), k);
-        int code = 0;
-        for (int j = 0; j + 1 < levels; ++j) code += boundary[j] < z ? 1 : 0;
-        const int bit = bits * (o + i);
-        const unsigned shifted = static_cast<unsigned>(code) << (bit % 8);
-        codes[bit / 8] = static_cast<u8>(codes[bit / 8] | (shifted & 0xffu));
-        if (shifted > 0xffu) codes[bit / 8 + 1] = static_cast<u8>(codes[bit / 8 + 1] | (shifted >> 8));
-        const float cv = kd::tq_centroid(bits, code);
-        p[i & 31] = kd::add_rn(p[i & 31], kd::mul_rn(cv, cv));
-      }
-      scale = kd::f32_to_f16_bits(kd::div_rn(nu, kd::tq_sqrt(reduce_partials(p))));
-    }
-    st_u16(row + 2 * block, scale);
-    o += n;
-  }
+  tq_input_row values;
+  values.x = x;
+  kd::tq_encode_row_values(bits, values, head_dim, row);
 }
 
 /// Encodes block b of a row of a row codec into `row` (the row's first byte).

@@ -1,7 +1,8 @@
 // kvq: element math of the codebook codecs tq2 / tq3 / tq4 (FORMATS.md §6.2; C++14 subset: C++,
 // CUDA, Metal): the Lloyd-Max centroids of a unit Gaussian and their boundaries, the row sizes,
-// the correctly rounded square root. The row encoders and decoders over host pointers are in
-// codec/tq_codebook.hpp; the GPU kernels' own (over device pointers) in core/kernel_bodies.h.
+// the correctly rounded square root, and the row encoder every backend runs (over a row accessor:
+// host memory on the CPU, rotated coordinates computed in place by the GPU kernel bodies). The
+// decoders and the CPU's pointer forms are in codec/tq_codebook.hpp.
 #pragma once
 
 #if !defined(__METAL_VERSION__)
@@ -89,6 +90,97 @@ KVQ_HOST_DEVICE constexpr int tq_scale_bytes(int head_dim) { return 2 * rotation
 /// Number of bytes of an encoded row: the scales, then ceil(bits * head_dim / 8) bytes of codes.
 KVQ_HOST_DEVICE constexpr int tq_row_bytes(int bits, int head_dim) {
   return tq_scale_bytes(head_dim) + (bits * head_dim + 7) / 8;
+}
+
+/// Adds v * v (product rounded) to partial sum i mod 32 of p: (32), a pointer in any address space.
+template <class P>
+KVQ_HOST_DEVICE void tq_accumulate_square(P p, int i, float v) {
+  p[i & 31] = add_rn(p[i & 31], mul_rn(v, v));
+}
+
+/// Reduces the 32 partial sums p in place, p_l += p_(l+16) for l < 16, then +8, +4, +2, +1, and
+/// returns p_0.
+template <class P>
+KVQ_HOST_DEVICE float tq_reduce_partials(P p) {
+  for (int w = 16; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) p[l] = add_rn(p[l], p[l + w]);
+  return p[0];
+}
+
+/// Writes the scale bits of block `block` of an encoded row (a byte pointer in any address space).
+template <class Bytes>
+KVQ_HOST_DEVICE void tq_set_scale_bits(Bytes dst, int block, u16 scale) {
+  dst[2 * block] = static_cast<u8>(scale & 0xffu);
+  dst[2 * block + 1] = static_cast<u8>(scale >> 8);
+}
+
+/// Coordinates [offset, offset + n) of a row read through `Row` (at(i): coordinate i), as the
+/// block encoder reads them (at(i): coordinate offset + i).
+template <class Row>
+struct tq_block_values {
+  Row row;
+  int offset;
+  KVQ_HOST_DEVICE float at(int i) { return row.at(offset + i); }
+};
+
+/// Encodes the finite rotation block y (at(i), 0 <= i < n) whose first coordinate is coordinate
+/// `offset` of the row (FORMATS.md §6.2 steps 2-5): ORs its codes into the row's zeroed code bytes
+/// `codes` and returns the f16 bits of its scale. `centroid` and `boundary` hold the codebook's
+/// 2^bits centroids and 2^bits - 1 boundaries as float32. The one encoder of every backend: the
+/// CPU reads y from memory, the GPU kernel bodies compute each rotated coordinate.
+template <class Block, class Codes, class Table>
+KVQ_HOST_DEVICE u16 tq_encode_block_values(int bits, Block y, int offset, int n, Codes codes, Table centroid,
+                                           Table boundary) {
+  const int levels = 1 << bits;
+  float p[32];
+  for (int l = 0; l < 32; ++l) p[l] = 0.0f;
+  for (int i = 0; i < n; ++i) tq_accumulate_square(p, i, y.at(i));
+  const float nu = tq_sqrt(tq_reduce_partials(p));
+  if (nu == 0.0f) return 0;  // a block of zeros: scale +0, codes 0
+  const float k = div_rn(tq_sqrt(static_cast<float>(n)), nu);
+  for (int l = 0; l < 32; ++l) p[l] = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float z = mul_rn(y.at(i), k);
+    int code = 0;
+    for (int j = 0; j + 1 < levels; ++j) code += boundary[j] < z ? 1 : 0;
+    const int bit = bits * (offset + i);
+    const u32 shifted = static_cast<u32>(code) << (bit % 8);
+    codes[bit / 8] = static_cast<u8>(codes[bit / 8] | (shifted & 0xffu));
+    if (shifted > 0xffu) codes[bit / 8 + 1] = static_cast<u8>(codes[bit / 8 + 1] | (shifted >> 8));
+    tq_accumulate_square(p, i, centroid[code]);
+  }
+  const float rho = tq_sqrt(tq_reduce_partials(p));
+  return f32_to_f16_bits(div_rn(nu, rho));
+}
+
+/// Encodes a rotated row y (at(i): coordinate i, 0 <= i < head_dim) into tq_row_bytes(bits,
+/// head_dim) bytes at dst (FORMATS.md §6.2 steps 2-8): a row holding a NaN or an infinity stores
+/// tq_poisoned_scale in every block and codes 0.
+template <class Row, class Bytes>
+KVQ_HOST_DEVICE void tq_encode_row_values(int bits, Row y, int head_dim, Bytes dst) {
+  const int blocks = rotation_block_count(head_dim);
+  Bytes codes = dst + 2 * blocks;
+  const int code_bytes = (bits * head_dim + 7) / 8;
+  for (int k = 0; k < code_bytes; ++k) codes[k] = 0;
+  bool finite = true;
+  for (int i = 0; i < head_dim && finite; ++i) finite = is_finite_f32(y.at(i));
+  if (!finite) {
+    for (int b = 0; b < blocks; ++b) tq_set_scale_bits(dst, b, tq_poisoned_scale);
+    return;
+  }
+  float centroid[16];
+  float boundary[15];
+  for (int c = 0; c < (1 << bits); ++c) centroid[c] = tq_centroid(bits, c);
+  for (int j = 0; j + 1 < (1 << bits); ++j) boundary[j] = tq_boundary(bits, j);
+  int block = 0;
+  for (int offset = 0; offset < head_dim; ++block) {
+    const int n = rotation_block_size(head_dim, offset);
+    tq_block_values<Row> values;
+    values.row = y;
+    values.offset = offset;
+    tq_set_scale_bits(dst, block, tq_encode_block_values(bits, values, offset, n, codes, centroid, boundary));
+    offset += n;
+  }
 }
 
 }  // namespace detail

@@ -1003,15 +1003,16 @@ KVQ_NAMESPACE_END
 #line 1 "kvq/detail/math_tq.h"
 // kvq: element math of the codebook codecs tq2 / tq3 / tq4 (FORMATS.md §6.2; C++14 subset: C++,
 // CUDA, Metal): the Lloyd-Max centroids of a unit Gaussian and their boundaries, the row sizes,
-// the correctly rounded square root. The row encoders and decoders over host pointers are in
-// codec/tq_codebook.hpp; the GPU kernels' own (over device pointers) in core/kernel_bodies.h.
+// the correctly rounded square root, and the row encoder every backend runs (over a row accessor:
+// host memory on the CPU, rotated coordinates computed in place by the GPU kernel bodies). The
+// decoders and the CPU's pointer forms are in codec/tq_codebook.hpp.
 
 
 #if !defined(__METAL_VERSION__)
 #  include <math.h>
 #endif
 
-#line 12 "kvq/detail/math_tq.h"
+#line 13 "kvq/detail/math_tq.h"
 #line 1 "kvq/detail/rotation.h"
 // kvq: the rotation R of the rotated codecs (C++14 subset; C++, CUDA, Metal).
 //
@@ -1128,9 +1129,9 @@ KVQ_HOST_DEVICE void rotation_apply_signs_seed(float* x, int head_dim, u64 seed)
   }
 }
 
-/// The butterfly stages h = 1, 2, ..., n/2 (in that order) of one block u: (n), n a power of two:
 )kvq_msl",
-    R"kvq_msl(/// (u_i, u_(i+h)) -> (u_i + u_(i+h), u_i - u_(i+h)) for every i with (i & h) = 0.
+    R"kvq_msl(/// The butterfly stages h = 1, 2, ..., n/2 (in that order) of one block u: (n), n a power of two:
+/// (u_i, u_(i+h)) -> (u_i + u_(i+h), u_i - u_(i+h)) for every i with (i & h) = 0.
 KVQ_HOST_DEVICE void rotation_butterflies(float* u, int n) {
   for (int h = 1; h < n; h *= 2)
     for (int s = 0; s < n; s += 2 * h)
@@ -1181,7 +1182,7 @@ KVQ_HOST_DEVICE void rotate_inverse_signs(float* x, int head_dim, const u64* wor
 
 }  // namespace detail
 KVQ_NAMESPACE_END
-#line 13 "kvq/detail/math_tq.h"
+#line 14 "kvq/detail/math_tq.h"
 
 KVQ_NAMESPACE_BEGIN
 namespace detail {
@@ -1263,6 +1264,97 @@ KVQ_HOST_DEVICE constexpr int tq_row_bytes(int bits, int head_dim) {
   return tq_scale_bytes(head_dim) + (bits * head_dim + 7) / 8;
 }
 
+/// Adds v * v (product rounded) to partial sum i mod 32 of p: (32), a pointer in any address space.
+template <class P>
+KVQ_HOST_DEVICE void tq_accumulate_square(P p, int i, float v) {
+  p[i & 31] = add_rn(p[i & 31], mul_rn(v, v));
+}
+
+/// Reduces the 32 partial sums p in place, p_l += p_(l+16) for l < 16, then +8, +4, +2, +1, and
+/// returns p_0.
+template <class P>
+KVQ_HOST_DEVICE float tq_reduce_partials(P p) {
+  for (int w = 16; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) p[l] = add_rn(p[l], p[l + w]);
+  return p[0];
+}
+
+/// Writes the scale bits of block `block` of an encoded row (a byte pointer in any address space).
+template <class Bytes>
+KVQ_HOST_DEVICE void tq_set_scale_bits(Bytes dst, int block, u16 scale) {
+  dst[2 * block] = static_cast<u8>(scale & 0xffu);
+  dst[2 * block + 1] = static_cast<u8>(scale >> 8);
+}
+
+/// Coordinates [offset, offset + n) of a row read through `Row` (at(i): coordinate i), as the
+/// block encoder reads them (at(i): coordinate offset + i).
+template <class Row>
+struct tq_block_values {
+  Row row;
+  int offset;
+  KVQ_HOST_DEVICE float at(int i) { return row.at(offset + i); }
+};
+
+/// Encodes the finite rotation block y (at(i), 0 <= i < n) whose first coordinate is coordinate
+/// `offset` of the row (FORMATS.md §6.2 steps 2-5): ORs its codes into the row's zeroed code bytes
+/// `codes` and returns the f16 bits of its scale. `centroid` and `boundary` hold the codebook's
+/// 2^bits centroids and 2^bits - 1 boundaries as float32. The one encoder of every backend: the
+/// CPU reads y from memory, the GPU kernel bodies compute each rotated coordinate.
+template <class Block, class Codes, class Table>
+KVQ_HOST_DEVICE u16 tq_encode_block_values(int bits, Block y, int offset, int n, Codes codes, Table centroid,
+                                           Table boundary) {
+  const int levels = 1 << bits;
+  float p[32];
+  for (int l = 0; l < 32; ++l) p[l] = 0.0f;
+  for (int i = 0; i < n; ++i) tq_accumulate_square(p, i, y.at(i));
+  const float nu = tq_sqrt(tq_reduce_partials(p));
+  if (nu == 0.0f) return 0;  // a block of zeros: scale +0, codes 0
+  const float k = div_rn(tq_sqrt(static_cast<float>(n)), nu);
+  for (int l = 0; l < 32; ++l) p[l] = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float z = mul_rn(y.at(i), k);
+    int code = 0;
+    for (int j = 0; j + 1 < levels; ++j) code += boundary[j] < z ? 1 : 0;
+    const int bit = bits * (offset + i);
+    const u32 shifted = static_cast<u32>(code) << (bit % 8);
+    codes[bit / 8] = static_cast<u8>(codes[bit / 8] | (shifted & 0xffu));
+    if (shifted > 0xffu) codes[bit / 8 + 1] = static_cast<u8>(codes[bit / 8 + 1] | (shifted >> 8));
+    tq_accumulate_square(p, i, centroid[code]);
+  }
+  const float rho = tq_sqrt(tq_reduce_partials(p));
+  return f32_to_f16_bits(div_rn(nu, rho));
+}
+
+/// Encodes a rotated row y (at(i): coordinate i, 0 <= i < head_dim) into tq_row_bytes(bits,
+/// head_dim) bytes at dst (FORMATS.md §6.2 steps 2-8): a row holding a NaN or an infinity stores
+/// tq_poisoned_scale in every block and codes 0.
+template <class Row, class Bytes>
+KVQ_HOST_DEVICE void tq_encode_row_values(int bits, Row y, int head_dim, Bytes dst) {
+  const int blocks = rotation_block_count(head_dim);
+  Bytes codes = dst + 2 * blocks;
+  const int code_bytes = (bits * head_dim + 7) / 8;
+  for (int k = 0; k < code_bytes; ++k) codes[k] = 0;
+  bool finite = true;
+  for (int i = 0; i < head_dim && finite; ++i) finite = is_finite_f32(y.at(i));
+  if (!finite) {
+    for (int b = 0; b < blocks; ++b) tq_set_scale_bits(dst, b, tq_poisoned_scale);
+    return;
+  }
+  float centroid[16];
+  float boundary[15];
+  for (int c = 0; c < (1 << bits); ++c) centroid[c] = tq_centroid(bits, c);
+  for (int j = 0; j + 1 < (1 << bits); ++j) boundary[j] = tq_boundary(bits, j);
+  int block = 0;
+  for (int offset = 0; offset < head_dim; ++block) {
+    const int n = rotation_block_size(head_dim, offset);
+    tq_block_values<Row> values;
+    values.row = y;
+    values.offset = offset;
+    tq_set_scale_bits(dst, block, tq_encode_block_values(bits, values, offset, n, codes, centroid, boundary));
+    offset += n;
+  }
+}
+
 }  // namespace detail
 KVQ_NAMESPACE_END
 #line 47 "kvq/core/kernel_bodies.h"
@@ -1330,7 +1422,8 @@ enum kvq_elem_type : int32_t {
 /// units; in a paged cache the units are a page's and the residual rows the sequence's). Token
 /// t < quantized is in unit t (rows) or t / group (tiles); token t >= quantized is residual row
 /// (residual_first + t - quantized) % residual_rows (a ring for the KIVI values window). Token
-/// indices are relative to the units' start, so `quantized` may be negative (a page past the
+)kvq_msl",
+    R"kvq_msl(/// indices are relative to the units' start, so `quantized` may be negative (a page past the
 /// quantized tokens) or beyond the units.
 struct kvq_region {
   uint64_t head0;            ///< byte offset of kv_head 0's units in the allocation
@@ -1397,8 +1490,7 @@ enum kvq_write_mode : int32_t {
   kvq_write_key_mean = 1,  ///< the key means of a centered key codec, from the first chunk of a layer
 };
 
-)kvq_msl",
-    R"kvq_msl(/// Arguments of the decode kernel (buffers: the layer allocation, the output): tokens
+/// Arguments of the decode kernel (buffers: the layer allocation, the output): tokens
 /// [first, first + count) of kv_head `head` to rows of `out_type`, `out_stride` elements apart.
 /// Threads (count, head_dim).
 struct kvq_decode_args {
@@ -1525,7 +1617,8 @@ struct kvq_attention_smem {
   int32_t total;   ///< floats in all, a multiple of 4 (Metal wants 16-byte multiples)
 };
 
-/// Block-shared memory layout of the partial attention for a head_dim, tile, heads per block and
+)kvq_msl",
+    R"kvq_msl(/// Block-shared memory layout of the partial attention for a head_dim, tile, heads per block and
 /// query precision.
 KVQ_HOST_DEVICE kvq_attention_smem kvq_attention_smem_layout(int32_t head_dim, int32_t tile, int32_t heads,
                                                              int32_t query_q8_0) {
@@ -1650,8 +1743,7 @@ KVQ_HOST_DEVICE float tanh_f32(float x) {
 }
 
 /// Bits of a tq codebook codec.
-)kvq_msl",
-    R"kvq_msl(KVQ_HOST_DEVICE int tq_bits(int codec) { return codec - kvq_codec_tq2 + 2; }
+KVQ_HOST_DEVICE int tq_bits(int codec) { return codec - kvq_codec_tq2 + 2; }
 
 KVQ_HOST_DEVICE bool is_tq(int codec) { return codec >= kvq_codec_tq2 && codec <= kvq_codec_tq4; }
 
@@ -1825,7 +1917,8 @@ KVQ_HOST_DEVICE float rotated_coordinate(row_ref x, int c) {
 /// as detail::rotate_forward_signs / rotate_inverse_signs: signs, butterflies per rotation block,
 /// times c_n (R^T: the signs last).
 KVQ_HOST_DEVICE void rotate_shared_row(KVQ_SHARED float* x, int head_dim, kd::u64 seed, bool inverse) {
-  sign_words signs = make_sign_words(seed);
+)kvq_msl",
+    R"kvq_msl(  sign_words signs = make_sign_words(seed);
   if (!inverse)
     for (int i = 0; i < head_dim; ++i) x[i] = signs.apply(x[i], i);
   for (int o = 0; o < head_dim;) {
@@ -1935,8 +2028,7 @@ KVQ_HOST_DEVICE void encode_q4_0(row_ref x, int head_dim, int b, KVQ_GLOBAL u8* 
   st_u16(blk, kd::f32_to_f16_bits(d));
   for (int j = 0; j < 16; ++j) {
     const int lo = kd::q4_0_code(j < n ? row_value(x, c0 + j) : 0.0f, id);
-)kvq_msl",
-    R"kvq_msl(    const int hi = kd::q4_0_code(j + 16 < n ? row_value(x, c0 + j + 16) : 0.0f, id);
+    const int hi = kd::q4_0_code(j + 16 < n ? row_value(x, c0 + j + 16) : 0.0f, id);
     blk[2 + j] = static_cast<u8>(static_cast<unsigned>(lo | (hi << 4)) & 0xffu);
   }
 }
@@ -2046,61 +2138,18 @@ KVQ_HOST_DEVICE void encode_nvfp4(row_ref x, int head_dim, int b, float scale, K
   }
 }
 
-/// Reduces 32 partial sums in place, p_l += p_(l+16) for l < 16, then +8, +4, +2, +1, and returns
-/// p_0 (FORMATS.md §6.2 step 2, as detail::tq_reduce_partials).
-KVQ_HOST_DEVICE float reduce_partials(KVQ_THREAD float* p) {
-  for (int w = 16; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) p[l] = kd::add_rn(p[l], p[l + w]);
-  return p[0];
-}
+/// The values of an input row as the tq encoder reads them (at(i): row_value, rotated).
+struct tq_input_row {
+  row_ref x;
+  KVQ_HOST_DEVICE float at(int i) { return row_value(x, i); }
+};
 
-/// Encodes a whole (rotated) row as a tq codebook row of `bits` bits (FORMATS.md §6.2 steps 2-8):
-/// the f16 scales of its rotation blocks, then the codes of every coordinate as one LSB-first bit
-/// stream. As detail::tq_encode_row.
+/// Encodes a whole (rotated) row as a tq codebook row of `bits` bits (FORMATS.md §6.2 steps 2-8)
+/// with the encoder the CPU runs (detail::tq_encode_row_values).
 KVQ_HOST_DEVICE void encode_tq(row_ref x, int head_dim, int bits, KVQ_GLOBAL u8* row) {
-  const int blocks = kd::rotation_block_count(head_dim);
-  KVQ_GLOBAL u8* codes = row + 2 * blocks;
-  const int code_bytes = (bits * head_dim + 7) / 8;
-  for (int k = 0; k < code_bytes; ++k) codes[k] = 0;
-  bool finite = true;
-  for (int i = 0; i < head_dim && finite; ++i) finite = kd::is_finite_f32(row_value(x, i));
-  if (!finite) {
-    for (int b = 0; b < blocks; ++b) st_u16(row + 2 * b, kd::tq_poisoned_scale);
-    return;
-  }
-  const int levels = 1 << bits;
-  float boundary[15];
-  for (int j = 0; j + 1 < levels; ++j) boundary[j] = kd::tq_boundary(bits, j);
-  int block = 0;
-  for (int o = 0; o < head_dim; ++block) {
-    const int n = kd::rotation_block_size(head_dim, o);
-    float p[32];
-    for (int l = 0; l < 32; ++l) p[l] = 0.0f;
-    for (int i = 0; i < n; ++i) {
-      const float v = row_value(x, o + i);
-      p[i & 31] = kd::add_rn(p[i & 31], kd::mul_rn(v, v));
-    }
-    const float nu = kd::tq_sqrt(reduce_partials(p));
-    unsigned scale = 0;  // a block of zeros: scale +0, codes 0
-    if (nu != 0.0f) {
-      const float k = kd::div_rn(kd::tq_sqrt(static_cast<float>(n)), nu);
-      for (int l = 0; l < 32; ++l) p[l] = 0.0f;
-      for (int i = 0; i < n; ++i) {
-        const float z = kd::mul_rn(row_value(x, o + i), k);
-        int code = 0;
-        for (int j = 0; j + 1 < levels; ++j) code += boundary[j] < z ? 1 : 0;
-        const int bit = bits * (o + i);
-        const unsigned shifted = static_cast<unsigned>(code) << (bit % 8);
-        codes[bit / 8] = static_cast<u8>(codes[bit / 8] | (shifted & 0xffu));
-        if (shifted > 0xffu) codes[bit / 8 + 1] = static_cast<u8>(codes[bit / 8 + 1] | (shifted >> 8));
-        const float cv = kd::tq_centroid(bits, code);
-        p[i & 31] = kd::add_rn(p[i & 31], kd::mul_rn(cv, cv));
-      }
-      scale = kd::f32_to_f16_bits(kd::div_rn(nu, kd::tq_sqrt(reduce_partials(p))));
-    }
-    st_u16(row + 2 * block, scale);
-    o += n;
-  }
+  tq_input_row values;
+  values.x = x;
+  kd::tq_encode_row_values(bits, values, head_dim, row);
 }
 
 /// Encodes block b of a row of a row codec into `row` (the row's first byte).
@@ -2156,7 +2205,8 @@ KVQ_HOST_DEVICE void encode_rows_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GL
 /// encode_key_tiles: channel c of KIVI key tile first + j of kv_head h, its G values (batch rows
 /// [jG, jG + G)) quantized together. As kivi_key::encode_tile.
 KVQ_HOST_DEVICE void encode_key_tile_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
-                                        KVQ_GLOBAL const u8* input, int h, int j, int c) {
+)kvq_msl",
+    R"kvq_msl(                                        KVQ_GLOBAL const u8* input, int h, int j, int c) {
   const int bits = kivi_bits(codec);
   const int g = a.dst.group;
   KVQ_GLOBAL u8* tile =
@@ -2196,8 +2246,7 @@ KVQ_HOST_DEVICE void store_f16_at(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* laye
 /// Thread `idx` of encode_rows: threads (kv_heads, count, blocks), blocks fastest.
 KVQ_HOST_DEVICE void encode_rows_thread(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
                                         KVQ_GLOBAL const u8* input, i64 idx) {
-)kvq_msl",
-    R"kvq_msl(  const i64 per_head = static_cast<i64>(a.count) * a.blocks;
+  const i64 per_head = static_cast<i64>(a.count) * a.blocks;
   if (idx >= per_head * a.kv_heads) return;
   const int h = static_cast<int>(idx / per_head);
   const i64 rem = idx - static_cast<i64>(h) * per_head;
@@ -2387,7 +2436,8 @@ KVQ_HOST_DEVICE void decode_at(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL
   float v = read_element(codec, a, layer, a.first + i, c);
   if (a.add_mean != 0)  // centered keys: decode + mu in f32, then one rounding
     v = kd::add_rn(v, reinterpret_cast<KVQ_GLOBAL const float*>(
-                          layer + static_cast<i64>(a.mean0))[static_cast<i64>(a.head) * a.head_dim + c]);
+)kvq_msl",
+    R"kvq_msl(                          layer + static_cast<i64>(a.mean0))[static_cast<i64>(a.head) * a.head_dim + c]);
   const i64 o = static_cast<i64>(i) * static_cast<i64>(a.out_stride) + c;
   if (a.out_type == kvq_elem_f32) {
     reinterpret_cast<KVQ_GLOBAL float*>(out)[o] = v;  // outputs are aligned to their element type
@@ -2427,8 +2477,7 @@ KVQ_HOST_DEVICE float block_dot(int codec, KVQ_GLOBAL const u8* row, int b, KVQ_
   return kd::mul_rn(kd::mul_rn(static_cast<float>(sumi), ld_f16(blk)), dq);
 }
 
-)kvq_msl",
-    R"kvq_msl(/// The first token of the units holding token t in an attention (see kvq_attention_args): its
+/// The first token of the units holding token t in an attention (see kvq_attention_args): its
 /// page's first token in a paged cache, 0 in a flat one.
 KVQ_HOST_DEVICE int attention_units_first(KVQ_ARG(kvq_attention_args) a, int t) {
   return a.page_tokens > 0 ? t / a.page_tokens * a.page_tokens : 0;
@@ -2621,7 +2670,8 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
     for (int k = 0; k < lanes; ++k) {
       for (int g = th.tid(k); g < nh; g += nt) {
         float dot = 0.0f;
-        for (int c = 0; c < hd; ++c) dot = kd::madd_f32(q_s[g * hd + c], k_s[c], dot);
+)kvq_msl",
+    R"kvq_msl(        for (int c = 0; c < hd; ++c) dot = kd::madd_f32(q_s[g * hd + c], k_s[c], dot);
         off_s[g] = kd::mul_rn(dot, a.scale);
       }
     }
@@ -2675,8 +2725,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         if (a.softcap > 0.0f) s = a.softcap * tanh_f32(s / a.softcap);
         if (a.mask == kvq_mask_additive) s += reinterpret_cast<KVQ_GLOBAL const float*>(mask)[mrow];
         p_s[g * T + i] = s;
-)kvq_msl",
-    R"kvq_msl(      }
+      }
     }
     th.barrier();
 
@@ -2875,7 +2924,8 @@ kernel void kvq_attention_partial(constant kvq_attention_args& a [[buffer(0)]],
 kernel void kvq_attention_combine(constant kvq_combine_args& a [[buffer(0)]],
                                   device const float* part_out [[buffer(1)]],
                                   device const float* part_max [[buffer(2)]],
-                                  device const float* part_sum [[buffer(3)]], device float* out [[buffer(4)]],
+)kvq_msl",
+    R"kvq_msl(                                  device const float* part_sum [[buffer(3)]], device float* out [[buffer(4)]],
                                   device const float* sinks [[buffer(5)]], uint gid [[thread_position_in_grid]]) {
   kvq::kernels::combine_thread(a, part_out, part_max, part_sum, sinks, out, long(gid));
 }
