@@ -237,8 +237,33 @@ inline auto cpu_model() -> std::string {
   return "unknown";
 }
 
-/// Records kvq's version and SIMD level, the compiler, the CPU model and the LLC size in the
-/// benchmark context (the "context" object of the JSON output).
+/// The instruction-set flags of the CPU that decide which kvq kernels can run, as /proc/cpuinfo lists
+/// them (x86 "flags", AArch64 "Features"), space-separated in a fixed order; "unknown" elsewhere.
+/// Runs on machines of different kinds are told apart by it (an AVX2-only Zen 3 and an AVX-512 Zen 4
+/// both report "AMD EPYC" in a virtual machine).
+inline auto cpu_simd_flags() -> std::string {
+  static constexpr std::string_view known[] = {
+      "sse4_2",   "avx",      "avx2",     "fma",         "f16c",        "bmi2",        "avx_vnni",    "avx512f",
+      "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_vbmi", "avx512_bf16", "avx512_fp16", "gfni",
+      "asimd",    "asimdhp",  "asimddp",  "fphp",        "i8mm",        "bf16",        "sve",         "sve2"};
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("flags", 0) != 0 && line.rfind("Features", 0) != 0) continue;
+    auto const colon = line.find(':');
+    if (colon == std::string::npos) break;
+    std::string const words = " " + line.substr(colon + 1) + " ";
+    std::string out;
+    for (auto const flag : known)
+      if (words.find(" " + std::string(flag) + " ") != std::string::npos)
+        out += (out.empty() ? "" : " ") + std::string(flag);
+    return out.empty() ? "none" : out;
+  }
+  return "unknown";
+}
+
+/// Records kvq's version and SIMD level, the compiler, the CPU model, its instruction-set flags and
+/// the LLC size in the benchmark context (the "context" object of the JSON output).
 inline void add_machine_context() {
   benchmark::AddCustomContext("kvq_version", std::to_string(KVQ_VERSION_MAJOR) + "." +
                                                  std::to_string(KVQ_VERSION_MINOR) + "." +
@@ -246,6 +271,7 @@ inline void add_machine_context() {
   benchmark::AddCustomContext("kvq_simd_level", std::string(kvq::simd_level()));
   benchmark::AddCustomContext("compiler", compiler_name());
   benchmark::AddCustomContext("cpu_model", cpu_model());
+  benchmark::AddCustomContext("cpu_flags", cpu_simd_flags());
   benchmark::AddCustomContext("llc_bytes", std::to_string(llc_bytes()));
   benchmark::AddCustomContext("hardware_threads", std::to_string(std::thread::hardware_concurrency()));
 }

@@ -709,6 +709,7 @@ inline auto to_json(summary const& s) -> ordered_json {
                                 {"int8_gmacs_per_s", detail::per_threads(s.multi_query_mach.int8_macs_per_s, 1e-9)}};
   json const& ctx = detail::machine_context(s);
   ordered_json mach = {{"cpu_model", ctx.value("cpu_model", std::string("unknown"))},
+                       {"cpu_flags", ctx.value("cpu_flags", std::string("unknown"))},
                        {"num_cpus", ctx.value("num_cpus", 0)},
                        {"llc_bytes", ctx.value("llc_bytes", std::string())},
                        {"compiler", ctx.value("compiler", std::string())},
@@ -1133,6 +1134,7 @@ memcpy** = GB/s of image bytes / memcpy's GB/s over the same bytes.
 |---|---|
 )";
   os << "| CPU | " << str("cpu_model") << " |\n";
+  os << "| instruction sets | " << ctx.value("cpu_flags", std::string("unknown")) << " |\n";
   os << "| CPUs | " << ctx.value("num_cpus", 0) << " at " << ctx.value("mhz_per_cpu", 0) << " MHz |\n";
   std::string caches;
   for (auto const& c : ctx.value("caches", json::array())) {

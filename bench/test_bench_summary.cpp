@@ -406,7 +406,8 @@ TEST_CASE("kvq_bench_summary --multi-query reads the multi-token suite", "[bench
   check_schema(doc);
   REQUIRE(doc["multi_query"].size() == 7);
   REQUIRE(doc["machine"]["cpu_model"] == "Test CPU");  // the attention suite names the machine
-  REQUIRE(doc["targets"]["total"] == 12);              // no targets of its own
+  REQUIRE(doc["machine"]["cpu_flags"] == "avx2 fma f16c avx512f avx512_vnni");
+  REQUIRE(doc["targets"]["total"] == 12);  // no targets of its own
   std::ifstream in(stdout_path);
   std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   REQUIRE(text.find("Multi-token attention") != std::string::npos);
