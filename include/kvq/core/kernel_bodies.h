@@ -264,7 +264,7 @@ KVQ_HOST_DEVICE float input_value(row_ref r, int c) {
 /// for bit.
 template <class Leaves>
 KVQ_HOST_DEVICE float butterfly_output(Leaves leaves, int n, int c) {
-  float stack[20];  // head_dim <= 65536: blocks of at most 2^16 leaves
+  float stack[20] = {};  // head_dim <= 65536: blocks of at most 2^16 leaves
   int top = 0;
   for (int j = 0; j < n; ++j) {
     float v = leaves.at(j);

@@ -1857,7 +1857,7 @@ KVQ_HOST_DEVICE float input_value(row_ref r, int c) {
 /// for bit.
 template <class Leaves>
 KVQ_HOST_DEVICE float butterfly_output(Leaves leaves, int n, int c) {
-  float stack[20];  // head_dim <= 65536: blocks of at most 2^16 leaves
+  float stack[20] = {};  // head_dim <= 65536: blocks of at most 2^16 leaves
   int top = 0;
   for (int j = 0; j < n; ++j) {
     float v = leaves.at(j);
@@ -1916,9 +1916,9 @@ KVQ_HOST_DEVICE float rotated_coordinate(row_ref x, int c) {
 /// Applies R (inverse false) or R^T (inverse true) to a row x: (head_dim) in block-shared memory,
 /// as detail::rotate_forward_signs / rotate_inverse_signs: signs, butterflies per rotation block,
 /// times c_n (R^T: the signs last).
-KVQ_HOST_DEVICE void rotate_shared_row(KVQ_SHARED float* x, int head_dim, kd::u64 seed, bool inverse) {
 )kvq_msl",
-    R"kvq_msl(  sign_words signs = make_sign_words(seed);
+    R"kvq_msl(KVQ_HOST_DEVICE void rotate_shared_row(KVQ_SHARED float* x, int head_dim, kd::u64 seed, bool inverse) {
+  sign_words signs = make_sign_words(seed);
   if (!inverse)
     for (int i = 0; i < head_dim; ++i) x[i] = signs.apply(x[i], i);
   for (int o = 0; o < head_dim;) {
@@ -2204,9 +2204,9 @@ KVQ_HOST_DEVICE void encode_rows_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GL
 
 /// encode_key_tiles: channel c of KIVI key tile first + j of kv_head h, its G values (batch rows
 /// [jG, jG + G)) quantized together. As kivi_key::encode_tile.
-KVQ_HOST_DEVICE void encode_key_tile_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
 )kvq_msl",
-    R"kvq_msl(                                        KVQ_GLOBAL const u8* input, int h, int j, int c) {
+    R"kvq_msl(KVQ_HOST_DEVICE void encode_key_tile_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
+                                        KVQ_GLOBAL const u8* input, int h, int j, int c) {
   const int bits = kivi_bits(codec);
   const int g = a.dst.group;
   KVQ_GLOBAL u8* tile =
@@ -2435,9 +2435,9 @@ KVQ_HOST_DEVICE void decode_at(int codec, KVQ_ARG(kvq_decode_args) a, KVQ_GLOBAL
                                int i, int c) {
   float v = read_element(codec, a, layer, a.first + i, c);
   if (a.add_mean != 0)  // centered keys: decode + mu in f32, then one rounding
-    v = kd::add_rn(v, reinterpret_cast<KVQ_GLOBAL const float*>(
 )kvq_msl",
-    R"kvq_msl(                          layer + static_cast<i64>(a.mean0))[static_cast<i64>(a.head) * a.head_dim + c]);
+    R"kvq_msl(    v = kd::add_rn(v, reinterpret_cast<KVQ_GLOBAL const float*>(
+                          layer + static_cast<i64>(a.mean0))[static_cast<i64>(a.head) * a.head_dim + c]);
   const i64 o = static_cast<i64>(i) * static_cast<i64>(a.out_stride) + c;
   if (a.out_type == kvq_elem_f32) {
     reinterpret_cast<KVQ_GLOBAL float*>(out)[o] = v;  // outputs are aligned to their element type
@@ -2668,10 +2668,10 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
       th.barrier();
     }
     for (int k = 0; k < lanes; ++k) {
-      for (int g = th.tid(k); g < nh; g += nt) {
-        float dot = 0.0f;
 )kvq_msl",
-    R"kvq_msl(        for (int c = 0; c < hd; ++c) dot = kd::madd_f32(q_s[g * hd + c], k_s[c], dot);
+    R"kvq_msl(      for (int g = th.tid(k); g < nh; g += nt) {
+        float dot = 0.0f;
+        for (int c = 0; c < hd; ++c) dot = kd::madd_f32(q_s[g * hd + c], k_s[c], dot);
         off_s[g] = kd::mul_rn(dot, a.scale);
       }
     }
@@ -2923,9 +2923,9 @@ kernel void kvq_attention_partial(constant kvq_attention_args& a [[buffer(0)]],
 
 kernel void kvq_attention_combine(constant kvq_combine_args& a [[buffer(0)]],
                                   device const float* part_out [[buffer(1)]],
-                                  device const float* part_max [[buffer(2)]],
 )kvq_msl",
-    R"kvq_msl(                                  device const float* part_sum [[buffer(3)]], device float* out [[buffer(4)]],
+    R"kvq_msl(                                  device const float* part_max [[buffer(2)]],
+                                  device const float* part_sum [[buffer(3)]], device float* out [[buffer(4)]],
                                   device const float* sinks [[buffer(5)]], uint gid [[thread_position_in_grid]]) {
   kvq::kernels::combine_thread(a, part_out, part_max, part_sum, sinks, out, long(gid));
 }
