@@ -140,7 +140,9 @@ TEST_CASE("centered: names, stored codec and rotation", "[centered]") {
 
 TEST_CASE("centered: mu is the first chunk's mean, kept while tokens remain", "[centered]") {
   kvq::QuantizedKVCache<ctr_q4> cache({2, kv, d, 64});
-  auto const [k, v] = keys_and_values(20, 3);
+  auto const kv_rows = keys_and_values(20, 3);
+  auto const& k = kv_rows.first;
+  auto const& v = kv_rows.second;
   auto mean_of = [&](std::int64_t t0, std::int64_t n, int h, int c) {  // f32 sum in token order, f32 divide
     float s = 0.0f;
     for (std::int64_t t = t0; t < t0 + n; ++t) s += k[static_cast<std::size_t>((t * kv + h) * d + c)];
