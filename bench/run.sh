@@ -10,7 +10,7 @@
 #   --quick      a short check of the script: contexts up to 4k, one short repetition, a small save/load
 #                working set; README untouched
 # Build directory: $KVQ_BUILD_DIR, default build/bench (configured Release, KVQ_SIMD=native). The
-# benchmarks take about 9 minutes on 2 cores (target: under 10; the rotated-codec cells add about 40 s);
+# benchmarks take about 11 minutes on 2 cores (the rotated-codec cells add about 40 s, the append suite about 2 minutes);
 # building them comes on top.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -53,7 +53,7 @@ if [ ! -f "$build_dir/CMakeCache.txt" ]; then
 fi
 build_start=$SECONDS
 cmake --build "$build_dir" --target kvq_bench_codecs kvq_bench_attention kvq_bench_persist kvq_bench_multi_query \
-  kvq_bench_summary >/dev/null
+  kvq_bench_append kvq_bench_summary >/dev/null
 echo "run.sh: built in $((SECONDS - build_start)) s ($build_dir)"
 
 bin="$build_dir/bench"
@@ -65,6 +65,7 @@ common=(--benchmark_repetitions=3 --benchmark_report_aggregates_only=true)
 codecs_args=(--benchmark_min_time=0.1)
 attention_args=(--benchmark_min_time=0.2)
 persist_args=(--benchmark_min_time=0.2)
+append_args=(--benchmark_min_time=0.1)
 # The multi-token suite runs its default grid once (about 3 minutes): its cells of 16 GFLOP and more
 # are one call of 0.5-20 s, the others average the calls of 0.1 s.
 multi_query_args=(--benchmark_min_time=0.1 --benchmark_repetitions=1)
@@ -74,6 +75,7 @@ if [ "$quick" -eq 1 ]; then
   attention_args=(--benchmark_min_time=0.01 "--benchmark_filter=machine/|/ctx:(512|4096)/")
   persist_args=(--benchmark_min_time=0.01 --kvq_working_set_mib=1)
   multi_query_args=(--benchmark_min_time=0.01 --kvq_working_set_mib=1 "--benchmark_filter=machine/|/ctx:4096/nq:(1|8)/")
+  append_args=(--benchmark_min_time=0.01 "--benchmark_filter=/(f16|q4_0|kivi4)/f32/")
 fi
 
 # run_suite NAME ARGS...: one suite, its console output in a log (shown when it fails), JSON in $tmp.
@@ -96,9 +98,11 @@ run_suite codecs "${codecs_args[@]}"
 run_suite attention "${attention_args[@]}"
 run_suite multi_query "${multi_query_args[@]}"
 run_suite persist "${persist_args[@]}"
+run_suite append "${append_args[@]}"
 
 summary=("$bin/kvq_bench_summary" --codecs "$tmp/codecs.json" --attention "$tmp/attention.json"
-         --persist "$tmp/persist.json" --multi-query "$tmp/multi_query.json" --wall-seconds "$((SECONDS - start))")
+         --persist "$tmp/persist.json" --multi-query "$tmp/multi_query.json" --append "$tmp/append.json"
+         --wall-seconds "$((SECONDS - start))")
 [ -n "$json_out" ] && summary+=(--json "$json_out")
 [ "$quick" -eq 0 ] && summary+=(--readme "$root/bench/README.md")
 echo

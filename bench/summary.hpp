@@ -315,10 +315,30 @@ struct persist_rate {
   }
 };
 
+/// Operations of the append suite (append/<codec>/<op>), in table order; memcpy/<codec>/<op> is the
+/// reference of each (as many bytes in as many pieces).
+inline std::vector<std::string> const append_ops = {"f32/prefill",       "f16/prefill",     "bf16/prefill",
+                                                    "f32/decode",        "f16/decode",      "bf16/decode",
+                                                    "f32/paged_prefill", "f32/paged_decode"};
+
+/// Append figures of one codec: the median seconds of each operation and of its memcpy twin.
+struct append_rate {
+  std::string codec;
+  std::map<std::string, double> append_s, memcpy_s;  ///< op -> seconds
+
+  /// % of memcpy of `op` = memcpy time / append time over the same bytes (clamped to [0, 100]).
+  auto pct(std::string const& op) const -> std::optional<double> {
+    auto const a = append_s.find(op), m = memcpy_s.find(op);
+    if (a == append_s.end() || m == memcpy_s.end() || !(a->second > 0) || !(m->second > 0)) return std::nullopt;
+    return percent(m->second, a->second);
+  }
+};
+
 /// The kinds of target (DESIGN §7 and the benchmark issue).
 enum class target_kind {
   memcpy,      ///< encode / decode at 256 MiB ≥ 80 % of memcpy
   persist,     ///< save, load_into and load ≥ 80 % of memcpy over the same image
+  append,      ///< QuantizedKVCache / PagedKVCache append ≥ 80 % of memcpy over the same bytes
   roofline,    ///< attention at 16k and 32k ≥ 70 % of the roofline
   not_slower,  ///< quantized codecs not slower than the f16 cache at any context
   mha16k,      ///< mha, 16k, 1 thread: a codec's minimum speed-up over f16
@@ -342,23 +362,26 @@ struct summary {
   json attention_context = json::object();
   json persist_context = json::object();
   json multi_query_context = json::object();
+  json append_context = json::object();
   machine multi_query_mach;  ///< the multi-token suite's own figures (its rows are rated against these)
   std::vector<codec_rate> rates;
   std::vector<codec_summary> codecs;
   std::vector<attention_row> attention;
   std::vector<persist_rate> persist;
   std::vector<multi_query_row> multi_query;
+  std::vector<append_rate> append;
   std::vector<target_result> targets;
 };
 
 namespace detail {
 
 /// The context that names the machine: the attention suite's, else the codec suite's, else the
-/// multi-token suite's, else the persist suite's.
+/// multi-token suite's, else the persist suite's, else the append suite's.
 inline auto machine_context(summary const& s) -> json const& {
   if (!s.attention_context.empty()) return s.attention_context;
   if (!s.codecs_context.empty()) return s.codecs_context;
-  return s.multi_query_context.empty() ? s.persist_context : s.multi_query_context;
+  if (!s.multi_query_context.empty()) return s.multi_query_context;
+  return s.persist_context.empty() ? s.append_context : s.persist_context;
 }
 
 inline auto format(char const* spec, double x) -> std::string {
@@ -492,12 +515,13 @@ inline auto multi_query_rows(suite const& mq, machine const& m) -> std::vector<m
 
 /// Summarises the suites (any may be empty).
 inline auto summarise(suite const& codecs, suite const& attention, suite const& persist = {},
-                      suite const& multi_query = {}) -> summary {
+                      suite const& multi_query = {}, suite const& append = {}) -> summary {
   summary s;
   s.codecs_context = codecs.context;
   s.attention_context = attention.context;
   s.persist_context = persist.context;
   s.multi_query_context = multi_query.context;
+  s.append_context = append.context;
   s.mach = machine_of(attention);
   s.multi_query_mach = machine_of(multi_query);
   s.multi_query = multi_query_rows(multi_query, s.multi_query_mach);
@@ -612,10 +636,38 @@ inline auto summarise(suite const& codecs, suite const& attention, suite const& 
       if (auto const pct = rate.pct(op))
         s.targets.push_back({target_kind::persist, op + " " + rate.codec, "≥ 80 % of memcpy",
                              detail::format("%.1f %%", *pct), *pct >= 80.0});
+
+  // Append: append/<codec>/<input>/<mode> against memcpy/<codec>/<input>/<mode>, codecs in codec order.
+  std::map<std::string, append_rate> appended;
+  for (auto const& [name, r] : append.runs) {
+    auto const a = name.find('/');
+    auto const b = a == std::string::npos ? a : name.find('/', a + 1);
+    if (b == std::string::npos) continue;
+    std::string const kind = name.substr(0, a), codec = name.substr(a + 1, b - a - 1), op = name.substr(b + 1);
+    if (kind != "append" && kind != "memcpy") continue;
+    auto& rate = appended[codec];
+    rate.codec = codec;
+    (kind == "append" ? rate.append_s : rate.memcpy_s)[op] = r.seconds;
+  }
+  for (auto& [codec, rate] : appended) s.append.push_back(rate);
+  std::stable_sort(s.append.begin(), s.append.end(), [](append_rate const& x, append_rate const& y) {
+    return detail::codec_rank(x.codec) < detail::codec_rank(y.codec);
+  });
+  for (auto const& rate : s.append)
+    for (auto const& op : append_ops)
+      if (auto const pct = rate.pct(op))
+        s.targets.push_back({target_kind::append, "append " + op + " " + rate.codec, "≥ 80 % of memcpy",
+                             detail::format("%.1f %%", *pct), *pct >= 80.0});
   return s;
 }
 
 namespace detail {
+
+/// The JSON key of an append op: "f32/prefill" -> "f32_prefill_pct_memcpy".
+inline auto append_key(std::string op) -> std::string {
+  std::replace(op.begin(), op.end(), '/', '_');
+  return op + "_pct_memcpy";
+}
 
 /// x rounded to `digits` significant digits (compact JSON numbers).
 inline auto round_sig(double x, int digits) -> double {
@@ -670,8 +722,8 @@ inline auto multi_query_json(multi_query_row const& r) -> ordered_json {
 /// ([{"codec", "image_bytes", "<op>_pct_memcpy" for each persist op}]), "multi_query" ([{"codec",
 /// "q8_query", "shape", "context", "n_q", "threads", "time_ms", "gb_per_s", "pct_memcpy",
 /// "gflop_per_s", "pct_fma_peak", "pct_int8_peak", "speedup_vs_f16", "time_vs_nq1"}]),
-/// "multi_query_machine" (that suite's own bandwidths and peaks), "machine" and "targets" at top
-/// level.
+/// "multi_query_machine" (that suite's own bandwidths and peaks), "append" ([{"codec",
+/// "<input>_<mode>_pct_memcpy" for each append op}]), "machine" and "targets" at top level.
 inline auto to_json(summary const& s) -> ordered_json {
   ordered_json codecs = ordered_json::array(), q8 = ordered_json::array();
   for (auto const& c : s.codecs) {
@@ -703,6 +755,12 @@ inline auto to_json(summary const& s) -> ordered_json {
   }
   ordered_json multi_query = ordered_json::array();
   for (auto const& r : s.multi_query) multi_query.push_back(detail::multi_query_json(r));
+  ordered_json append = ordered_json::array();
+  for (auto const& rate : s.append) {
+    ordered_json row = {{"codec", rate.codec}};
+    for (auto const& op : append_ops) row[detail::append_key(op)] = detail::optional_number(rate.pct(op), 4);
+    append.push_back(row);
+  }
   ordered_json const mq_mach = {{"read_gb_per_s", detail::per_threads(s.multi_query_mach.read_bytes_per_s, 1e-9)},
                                 {"memcpy_gb_per_s", detail::per_threads(s.multi_query_mach.memcpy_bytes_per_s, 1e-9)},
                                 {"fma_gmacs_per_s", detail::per_threads(s.multi_query_mach.fma_macs_per_s, 1e-9)},
@@ -723,6 +781,7 @@ inline auto to_json(summary const& s) -> ordered_json {
           {"persist", persist},
           {"multi_query", multi_query},
           {"multi_query_machine", mq_mach},
+          {"append", append},
           {"machine", mach},
           {"targets", {{"met", met}, {"total", s.targets.size()}, {"missed", failed}}}};
 }
@@ -882,6 +941,7 @@ inline void print_targets(summary const& s, std::ostream& os, std::string const&
   constexpr group groups[] = {
       {target_kind::memcpy, "encode/decode at 256 MiB ≥ 80 % of memcpy", false, true},
       {target_kind::persist, "save / load_into / load ≥ 80 % of memcpy", false, true},
+      {target_kind::append, "append ≥ 80 % of memcpy (✗ in the append rows)", false, false},
       {target_kind::roofline, "attention at 16k and 32k ≥ 70 % of the roofline (✗ in the attention rows)", false,
        false},
       {target_kind::not_slower, "quantized codecs not slower than f16, every context (✗ in the attention rows)", false,
@@ -1034,6 +1094,27 @@ inline void print_text(summary const& s, std::ostream& os) {
     t.print(os, 1);
   }
 
+  if (!s.append.empty()) {
+    os << "\nAppend (single thread; " << s.append_context.value("append_cache", std::string("cache of unknown shape"))
+       << "): % of memcpy over the same bytes in the same pieces\n";
+    std::vector<std::string> head = {"codec"};
+    for (auto const& op : append_ops) head.push_back(op);
+    head.push_back("target");
+    detail::text_table t(head);
+    for (auto const& r : s.append) {
+      std::vector<std::string> row = {r.codec};
+      bool any = false, ok = true;
+      for (auto const& op : append_ops) {
+        auto const pct = r.pct(op);
+        row.push_back(detail::pct_or_dash(pct));
+        if (pct) any = true, ok = ok && *pct >= 80.0;
+      }
+      row.push_back(any ? (ok ? "✓" : "✗ ≥ 80 %") : "");
+      t.add(row);
+    }
+    t.print(os, 1);
+  }
+
   os << "\n";
   detail::print_targets(s, os, "  ");
 }
@@ -1050,7 +1131,7 @@ inline void write_readme(summary const& s, std::ostream& os, double wall_seconds
 bash bench/run.sh [--json FILE]   # builds the suites (Release, -march=native), runs them, prints the summary
 ```
 
-`run.sh` builds in `build/bench` (or `$KVQ_BUILD_DIR`), runs the four Google Benchmark suites with
+`run.sh` builds in `build/bench` (or `$KVQ_BUILD_DIR`), runs the five Google Benchmark suites with
 real time, 3 repetitions and their medians (the multi-token suite once), prints the tables below
 and rewrites this file; with `--json FILE` it also writes `{"codecs": [{"codec",
 "encode_pct_memcpy", "decode_pct_memcpy", "attention": [{"shape", "context", "threads", "time_ms",
@@ -1059,7 +1140,8 @@ and rewrites this file; with `--json FILE` it also writes `{"codecs": [{"codec",
 "load_into_pct_memcpy", "replace_pct_memcpy", "load_pct_memcpy", "export_pct_memcpy",
 "import_pct_memcpy"}]`), `multi_query` (`[{"codec", "q8_query", "shape", "context", "n_q",
 "threads", "time_ms", "gb_per_s", "pct_memcpy", "gflop_per_s", "pct_fma_peak", "pct_int8_peak",
-"speedup_vs_f16", "time_vs_nq1"}]`), `multi_query_machine`, `machine`, `targets`). `--quick` is a
+"speedup_vs_f16", "time_vs_nq1"}]`), `multi_query_machine`, `append` (`[{"codec",
+"f32_prefill_pct_memcpy", …, "f32_paged_decode_pct_memcpy"}]`), `machine`, `targets`). `--quick` is a
 short check of the script (contexts up to 4k, one short repetition, a small working set; this file
 is left alone).
 
@@ -1127,6 +1209,16 @@ an export as a new sequence). In the same binary and next to them: `memcpy` of t
 (`kvq::saved_bytes`) from one buffer to another. Every row rotates over enough copies (caches,
 images, buffers, sequences) that one cycle touches at least twice the last-level cache. **% of
 memcpy** = GB/s of image bytes / memcpy's GB/s over the same bytes.
+
+**Append** (`kvq_bench_append`, one thread): the write path engines call, `QuantizedKVCache::append`
+of token-major keys and values (one layer, 8 kv_heads, head_dim 128; keys N(0, 1) with four
+outlier channels ×10, values N(0, 1)) in f32, f16 and bf16: `prefill` appends 512-token chunks
+until the layer holds 16384 tokens, `decode` appends one token at a time up to 4096 tokens;
+`paged_prefill` / `paged_decode` do the same through `PagedKVCache::append` (pages of 64 tokens,
+f32 input). Each pass starts from an emptied layer whose memory an untimed pass touched first (an
+engine's steady state). **Bytes** = input bytes read + encoded bytes written. Next to each row:
+`memcpy` of half that many bytes in as many pieces, from a source as large as the input to a
+destination as large as the cache. **% of memcpy** = memcpy time / append time.
 
 ## Machine
 
@@ -1277,7 +1369,22 @@ memcpy** = GB/s of image bytes / memcpy's GB/s over the same bytes.
     }
   }
 
+  if (!s.append.empty()) {
+    os << "\n## Append\n\n% of memcpy over the same bytes in the same pieces, one thread ("
+       << s.append_context.value("append_cache", std::string("cache of unknown shape")) << ").\n\n| codec |";
+    for (auto const& op : append_ops) os << " " << op << " |";
+    os << "\n|---|";
+    for (std::size_t i = 0; i < append_ops.size(); ++i) os << "---:|";
+    os << "\n";
+    for (auto const& r : s.append) {
+      os << "| " << r.codec << " |";
+      for (auto const& op : append_ops) os << " " << detail::pct_or_dash(r.pct(op)) << " |";
+      os << "\n";
+    }
+  }
+
   os << "\n## Targets\n\nEncode and decode at 256 MiB ≥ 80 % of memcpy; save, load_into and load ≥ 80 % of memcpy; "
+        "append (every codec, input type and mode) ≥ 80 % of memcpy; "
         "attention at 16k and 32k (both shapes, 1 and 2 threads) ≥ 70 % of the roofline; no quantized codec slower "
         "than the f16 cache at any context; mha, 16k, 1 thread: ≥ 3× f16 for q4_0 and KIVI-4, ≥ 4× for KIVI-2, ≥ 1.8× "
         "for q8_0, int8 and fp8 (the `+q8q` rows are checked like their codec). For scale: llama.cpp's CPU flash "

@@ -1,9 +1,9 @@
-// kvq_bench_summary: reads the JSON of kvq_bench_codecs, kvq_bench_attention, kvq_bench_persist
-// and kvq_bench_multi_query, prints the summary tables and target checks, and optionally writes the
-// --json document and bench/README.md.
+// kvq_bench_summary: reads the JSON of kvq_bench_codecs, kvq_bench_attention, kvq_bench_persist,
+// kvq_bench_multi_query and kvq_bench_append, prints the summary tables and target checks, and
+// optionally writes the --json document and bench/README.md.
 //
 // Usage: kvq_bench_summary [--codecs FILE] [--attention FILE] [--persist FILE] [--multi-query FILE]
-//                          [--json FILE] [--readme FILE] [--wall-seconds S]
+//                          [--append FILE] [--json FILE] [--readme FILE] [--wall-seconds S]
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -38,7 +38,7 @@ void write_file(std::string const& path, std::string const& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string codecs, attention, persist, multi_query, json_path, readme;
+  std::string codecs, attention, persist, multi_query, append, json_path, readme;
   double wall = 0;
   for (int i = 1; i < argc; ++i) {
     std::string const arg = argv[i];
@@ -51,6 +51,8 @@ int main(int argc, char** argv) {
       persist = argv[++i];
     } else if (arg == "--multi-query" && has_value) {
       multi_query = argv[++i];
+    } else if (arg == "--append" && has_value) {
+      append = argv[++i];
     } else if (arg == "--json" && has_value) {
       json_path = argv[++i];
     } else if (arg == "--readme" && has_value) {
@@ -60,13 +62,13 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: kvq_bench_summary [--codecs FILE] [--attention FILE] [--persist FILE] "
-                   "[--multi-query FILE] [--json FILE] [--readme FILE] [--wall-seconds S]\n");
+                   "[--multi-query FILE] [--append FILE] [--json FILE] [--readme FILE] [--wall-seconds S]\n");
       return 2;
     }
   }
   try {
     auto const s = kvq_bench::summary::summarise(read_suite(codecs), read_suite(attention), read_suite(persist),
-                                                 read_suite(multi_query));
+                                                 read_suite(multi_query), read_suite(append));
     kvq_bench::summary::print_text(s, std::cout);
     if (!json_path.empty()) write_file(json_path, kvq_bench::summary::to_json(s).dump(2) + "\n");
     if (!readme.empty()) {

@@ -283,6 +283,47 @@ TEST_CASE("save / load rows: % of memcpy over the same bytes, medians, targets, 
           std::string::npos);
 }
 
+TEST_CASE("append rows: % of memcpy against each op's twin, codec order, targets, JSON", "[bench][summary]") {
+  auto const append = sm::load_suite(read_json(KVQ_BENCH_TESTDATA "/append.json"));
+  auto const s = sm::summarise({}, {}, {}, {}, append);
+  REQUIRE(s.append.size() == 2);  // machine/read is no append row; q4_0 before kivi4 (DESIGN §8)
+  auto const& q4 = s.append[0];
+  REQUIRE(q4.codec == "q4_0");
+  REQUIRE_THAT(*q4.pct("f32/prefill"), WithinRel(50.0, 1e-12));  // medians: memcpy 10 ms, append 20 ms
+  REQUIRE_THAT(*q4.pct("f32/decode"), WithinRel(90.0, 1e-12));
+  REQUIRE_FALSE(q4.pct("f16/prefill").has_value());
+  auto const& kivi = s.append[1];
+  REQUIRE(kivi.codec == "kivi4");
+  REQUIRE_THAT(*kivi.pct("f16/prefill"), WithinRel(100.0, 1e-12));
+  REQUIRE_FALSE(kivi.pct("f32/decode").has_value());  // memcpy ran, append did not
+
+  std::size_t met = 0;
+  for (auto const& t : s.targets) {
+    REQUIRE(t.kind == sm::target_kind::append);
+    met += t.met ? 1 : 0;
+  }
+  REQUIRE(s.targets.size() == 3);
+  REQUIRE(met == 2);
+
+  auto const doc = sm::to_json(s);
+  REQUIRE(doc["append"].size() == 2);
+  auto const& row = doc["append"][0];
+  REQUIRE(keys_of(row) == std::set<std::string>{"codec", "f32_prefill_pct_memcpy", "f16_prefill_pct_memcpy",
+                                                "bf16_prefill_pct_memcpy", "f32_decode_pct_memcpy",
+                                                "f16_decode_pct_memcpy", "bf16_decode_pct_memcpy",
+                                                "f32_paged_prefill_pct_memcpy", "f32_paged_decode_pct_memcpy"});
+  REQUIRE_THAT(row["f32_prefill_pct_memcpy"].get<double>(), WithinRel(50.0, 1e-3));
+  REQUIRE(row["f16_prefill_pct_memcpy"].is_null());
+  REQUIRE(doc["machine"]["cpu_model"] == "Test CPU");
+
+  std::ostringstream text, md;
+  sm::print_text(s, text);
+  sm::write_readme(s, md, 0);
+  REQUIRE(text.str().find("Append (single thread; 1 layer × 8 kv_heads") != std::string::npos);
+  REQUIRE(md.str().find("## Append") != std::string::npos);
+  REQUIRE(md.str().find("| q4_0 | 50.0 | — | — | 90.0 | — | — | — | — |") != std::string::npos);
+}
+
 TEST_CASE("kvq_bench_summary --persist reads the persist suite", "[bench][summary]") {
   auto const dir =
       std::filesystem::temp_directory_path() /

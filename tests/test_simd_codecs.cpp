@@ -136,7 +136,7 @@ auto inexact_tie(float target, float id) -> float {
   return target / id;
 }
 
-constexpr int row_kinds = 18;
+constexpr int row_kinds = 19;
 
 /// Fills x[0 .. n) with a row of the given kind (kinds 0 .. row_kinds - 1).
 void make_row(int kind, float* x, int n, std::mt19937& rng) {
@@ -249,6 +249,14 @@ void make_row(int kind, float* x, int n, std::mt19937& rng) {
           x[b + i] = std::fabs(v) < std::fabs(lead) ? v : 0.0f;
         }
       }
+      break;
+    }
+    case 18:  // fp4 ties: ±6·2^k leads every 16 values (half-scale 2^(k-1)), multiples of 2^(k-2) elsewhere
+    {
+      float const unit = std::ldexp(1.0f, std::uniform_int_distribution<int>(-3, 3)(rng));
+      for (int i = 0; i < n; ++i)
+        x[i] = (i % 16 == 0 ? sgn() * 24.0f : static_cast<float>(std::uniform_int_distribution<int>(-24, 24)(rng))) *
+               0.25f * unit;
       break;
     }
     default:  // finite random bits with small exponents, then one large element
@@ -598,6 +606,15 @@ TEST_CASE("KIVI value rows are bit-exact on every ISA", "[simd][kivi]") {
   check_row_codec_all_isas<kvq::kivi_value<2, 8>>();
   check_row_codec_all_isas<kvq::kivi_value<4, 16>>();
   check_row_codec_all_isas<kvq::kivi_value<8, 24>>();
+}
+
+TEST_CASE("mxfp4 and nvfp4 rows are bit-exact on every ISA, several scales", "[simd][fp4]") {
+  for (float scale : {1.0f, 0.5f, 3.7f, 1e-3f, 1e4f}) {
+    kvq::fp4_params const p{scale};
+    std::string const what = " scale " + std::to_string(scale);
+    check_row_codec_all_isas<kvq::mxfp4>(p, what);
+    check_row_codec_all_isas<kvq::nvfp4>(p, what);
+  }
 }
 
 // -------------------------------------------------------------------------------------------------

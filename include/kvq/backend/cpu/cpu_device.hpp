@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "../../codec/rotated.hpp"
 #include "../../core/cache_core.hpp"
@@ -99,38 +100,39 @@ class cpu_device {
     auto const params = params_of<C>(a.dst);
     side_rotation<Codec> const rotation(d);
     row_rotation const* rot = rotation.get();
+    // Token-major input: the loops run over chunks of tokens, then kv_heads, so that one chunk of
+    // the input (rows one token_stride apart) is read while it stays in the caches.
+    write_scratch scratch(d, s.kernel == write_kernel::encode_key_tiles ? a.dst.group : write_scratch::chunk);
     if (s.kernel == write_kernel::encode_key_tiles) {
       if constexpr (C::layout == codec_layout::token_group) {
         int const g = a.dst.group;
-        detail::vector<float> tile(static_cast<std::size_t>(g) * static_cast<std::size_t>(d));
-        detail::vector<f16> half(static_cast<std::size_t>(d));
-        for (int h = 0; h < a.kv_heads; ++h) {
-          for (int j = 0; j < a.count / g; ++j) {
-            gather(a, layer, input, h, j * g, g, tile.data(), half.data(), rot);
-            encode_tile<C>(tile.data(), d, d, unit(layer, a, h, a.first + j), params);
+        for (int j = 0; j < a.count / g; ++j) {
+          for (int h = 0; h < a.kv_heads; ++h) {
+            auto const [tile, stride] = rows_of(a, layer, input, h, j * g, g, scratch, rot);
+            encode_tile<C>(tile, stride, d, unit(layer, a, h, a.first + j), params);
           }
         }
       }
       return {};
     }
-    constexpr std::int64_t chunk = 16;  // rows widened to f32 per kernel call (they stay in L1)
-    detail::vector<float> rows(static_cast<std::size_t>(std::min<std::int64_t>(a.count, chunk)) *
-                               static_cast<std::size_t>(d));
-    detail::vector<f16> half(static_cast<std::size_t>(d));
-    for (int h = 0; h < a.kv_heads; ++h) {
-      for (int i0 = 0; i0 < a.count; i0 += static_cast<int>(chunk)) {
-        int const n = static_cast<int>(std::min<std::int64_t>(chunk, a.count - i0));
-        gather(a, layer, input, h, i0, n, rows.data(), half.data(), rot);
+    for (int i0 = 0; i0 < a.count; i0 += write_scratch::chunk) {
+      int const n = std::min(write_scratch::chunk, a.count - i0);
+      for (int h = 0; h < a.kv_heads; ++h) {
+        auto const [rows, stride] = rows_of(a, layer, input, h, i0, n, scratch, rot);
         if (s.kernel == write_kernel::encode_rows) {
           if constexpr (C::layout == codec_layout::row)
-            cpu_kernels::encode_rows<C>(rows.data(), d, n, d, unit(layer, a, h, a.first + i0), a.dst.unit_bytes,
-                                        params);
+            cpu_kernels::encode_rows<C>(rows, stride, n, d, unit(layer, a, h, a.first + i0), a.dst.unit_bytes, params);
         } else {  // store_f16_rows
-          saturate_to_f16_range(rows.data(), static_cast<std::int64_t>(n) * d);
-          for (int i = 0; i < n; ++i)
-            cpu_kernels::convert_from_f32(rows.data() + static_cast<std::ptrdiff_t>(i) * d,
-                                          residual_row(layer, a.dst, h, (a.first + i0 + i) % a.dst.residual_rows, d),
-                                          d);
+          bool const gathered = rows == scratch.rows();
+          for (int i = 0; i < n; ++i) {
+            float* const row = scratch.row(gathered ? i : 0);  // the input itself is copied first
+            if (!gathered)
+              std::memcpy(row, rows + static_cast<std::ptrdiff_t>(i) * stride,
+                          static_cast<std::size_t>(d) * sizeof(float));
+            saturate_to_f16_range(row, d);
+            cpu_kernels::convert_from_f32(
+                row, residual_row(layer, a.dst, h, (a.first + i0 + i) % a.dst.residual_rows, d), d);
+          }
         }
       }
     }
@@ -215,6 +217,42 @@ class cpu_device {
 
   static auto residual_row(std::byte* layer, kvq_region const& r, int h, std::int64_t row, int d) -> f16* {
     return reinterpret_cast<f16*>(layer + r.residual0 + static_cast<std::size_t>(h) * r.residual_stride) + row * d;
+  }
+
+  /// Scratch of a write step: `rows` f32 rows of head_dim and one f16 row, on the stack when
+  /// they fit in 33 KiB.
+  class write_scratch {
+   public:
+    static constexpr int chunk = 32;  // input rows per kernel call (16 KiB of f32 at head_dim 128)
+    write_scratch(int d, int rows) : d_(d), rows_(rows) {
+      std::size_t const floats = static_cast<std::size_t>(rows + 1) * static_cast<std::size_t>(d);
+      if (floats > stack_floats) heap_.resize(floats);
+    }
+    auto rows() noexcept -> float* { return heap_.empty() ? stack_ : heap_.data(); }
+    auto row(int i) noexcept -> float* { return rows() + static_cast<std::ptrdiff_t>(i) * d_; }
+    auto half() noexcept -> f16* { return reinterpret_cast<f16*>(row(rows_)); }
+
+   private:
+    static constexpr std::size_t stack_floats = 33 * 256;
+    int d_, rows_;
+    alignas(64) float stack_[stack_floats];
+    detail::vector<float> heap_;
+  };
+
+  /// Rows [i0, i0 + n) of kv_head h of a write step as f32 rows (pointer, stride in floats): the
+  /// f32 input itself when the rows need nothing done to them, else `gather`ed into the scratch.
+  static auto rows_of(kvq_write_args const& a, std::byte* layer, void const* input, int h, int i0, int n,
+                      write_scratch& scratch, row_rotation const* rot) -> std::pair<float const*, std::ptrdiff_t> {
+    bool const as_is = a.src.type == kvq_elem_f32 && rot == nullptr && a.src.round_f16 == 0 && a.src.mean == 0 &&
+                       i0 >= a.src.from_residual;
+    if (as_is) {
+      std::int64_t const token = a.src.first + i0 - a.src.from_residual;
+      return {static_cast<float const*>(input) + token * static_cast<std::int64_t>(a.src.token_stride) +
+                  static_cast<std::int64_t>(h) * static_cast<std::int64_t>(a.src.head_stride),
+              static_cast<std::ptrdiff_t>(a.src.token_stride)};
+    }
+    gather(a, layer, input, h, i0, n, scratch.rows(), scratch.half(), rot);
+    return {scratch.rows(), a.head_dim};
   }
 
   /// Batch rows [i0, i0 + n) of kv_head h of a write step as f32 rows of head_dim (see kvq_source):

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../../codec/fp4.hpp"
 #include "../../codec/fp8.hpp"
 #include "../../codec/int8.hpp"
 #include "../../codec/kivi.hpp"
@@ -387,6 +388,173 @@ struct simd_codecs {
       alignas(64) u8 t[std::size_t{W}] = {};
       std::memcpy(t, q + i, static_cast<std::size_t>(head_dim - i));
       store_part(y + i, V::mul(V::cvt_f(V::load_i8(t)), s), head_dim - i);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // mxfp4 / nvfp4 (math_fp4.h)
+  //
+  // The reference scans all 16 codes of ggml's table for the first of least error |K*h - x|. The
+  // table is symmetric (K[c + 8] = -K[c]) and rounding to nearest is too, so that code is the
+  // first of least error |K*h - |x|| among codes 0..7, plus 8 when x < 0 and the code is not 0
+  // (the negative half never wins a tie, being scanned later): the lanes run those 7 candidates
+  // with the reference's subtraction and strict comparison.
+
+  /// FP4 codes (one per lane) of the finite values v at half-scale h.
+  struct fp4_candidates {
+    vf t[8];
+    explicit fp4_candidates(float h) noexcept {
+      float table[16];
+      detail::fp4_encode_table(h, table);
+      for (int k = 0; k < 8; ++k) t[k] = V::set1(table[k]);
+    }
+    vi codes(vf v) const noexcept {
+      vf const a = V::abs(v);
+      vf best_err = a;  // code 0: |0 - |x|| = |x|
+      vi best = V::set1_i(0);
+      for (int k = 1; k < 8; ++k) {
+        vf const err = V::abs(V::sub(t[k], a));
+        vm const better = V::gt_f(best_err, err);
+        best_err = V::select_f(better, err, best_err);
+        best = V::select_i(better, V::set1_i(k), best);
+      }
+      vi const sign = V::template slli<3>(V::template srli<31>(V::bits(v)));  // 8 for x < 0 (and -0)
+      return V::select_i(V::eq_i(best, V::set1_i(0)), best, V::or_i(best, sign));
+    }
+  };
+
+  /// Loads the n (1 .. NV * W) values of x divided by the codec scale into v[0, NV), zeros after.
+  template <int NV>
+  static void fp4_load(float const* x, int n, fp4_params const& p, vf* v) noexcept {
+    bool const divide = p.scale != 1.0f;  // x / 1 == x (a NaN stays a NaN, which poisons either way)
+    vf const s = V::set1(p.scale);
+    for (int k = 0; k < NV; ++k) {
+      vf const raw = (k + 1) * W <= n ? V::load(x + k * W) : load_pad(x + k * W, n - k * W, 0.0f);
+      v[k] = divide ? V::div(raw, s) : raw;
+    }
+  }
+
+  /// amax of v[0, NV) and whether any lane is NaN or infinite.
+  template <int NV>
+  static float fp4_amax(vf const* v, bool& finite) noexcept {
+    vf amax = V::set1(0.0f);
+    vm bad = V::mask_false();
+    for (int k = 0; k < NV; ++k) {
+      amax = V::max(amax, V::abs(v[k]));
+      bad = V::mask_or(bad, nonfinite(v[k]));
+    }
+    finite = !V::any(bad);
+    return V::reduce_max(amax);
+  }
+
+  /// Encodes n (1 .. 32) values into one mxfp4 block (mxfp4::encode_block, bit for bit).
+  static void mxfp4_encode_block(float const* x, int n, u8* dst, fp4_params const& p) noexcept {
+    constexpr int nv = detail::qk_mxfp4 / W;
+    detail::block_mxfp4 b{};
+    vf v[std::size_t{nv}];
+    fp4_load<nv>(x, n, p, v);
+    bool finite = true;
+    float const amax = fp4_amax<nv>(v, finite);
+    if (!finite) {
+      b.e = detail::mxfp4_poisoned_scale;  // codes 0
+    } else {
+      b.e = detail::mxfp4_exponent(amax);
+      fp4_candidates const cand(detail::mxfp4_half_scale(b.e));
+      alignas(64) u8 codes[detail::qk_mxfp4];
+      for (int k = 0; k < nv; ++k) V::store_u8(codes + k * W, cand.codes(v[k]));
+      for (int j = 0; j < 16; ++j) b.qs[j] = static_cast<u8>(codes[j] | (codes[j + 16] << 4));
+    }
+    std::memcpy(dst, &b, sizeof b);
+  }
+
+  /// Encodes n (1 .. 64) values into one nvfp4 block (nvfp4::encode_block, bit for bit).
+  static void nvfp4_encode_block(float const* x, int n, u8* dst, fp4_params const& p) noexcept {
+    constexpr int sub = detail::qk_nvfp4_sub;
+    constexpr int nv = sub / W;  // vectors per sub-block
+    detail::block_nvfp4 b{};
+    vf v[std::size_t{4 * nv}];
+    fp4_load<4 * nv>(x, n, p, v);
+    for (int s = 0; s < 4; ++s) {
+      bool finite = true;
+      float const amax = fp4_amax<nv>(v + s * nv, finite);
+      if (!finite) {
+        b.d[s] = detail::nvfp4_poisoned_scale;  // codes 0
+        continue;
+      }
+      b.d[s] = detail::nvfp4_scale_code(detail::div_rn(amax, 6.0f));
+      fp4_candidates const cand(detail::nvfp4_half_scale(b.d[s]));
+      alignas(64) u8 codes[sub];
+      for (int k = 0; k < nv; ++k) V::store_u8(codes + k * W, cand.codes(v[s * nv + k]));
+      for (int j = 0; j < 8; ++j) b.qs[8 * s + j] = static_cast<u8>(codes[j] | (codes[j + 8] << 4));
+    }
+    std::memcpy(dst, &b, sizeof b);
+  }
+
+  template <bool Mx>
+  static void fp4_encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst, std::size_t ds,
+                              fp4_params const& p) noexcept {
+    constexpr int qk = Mx ? detail::qk_mxfp4 : detail::qk_nvfp4;
+    constexpr std::size_t bytes = Mx ? sizeof(detail::block_mxfp4) : sizeof(detail::block_nvfp4);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float const* const row = x + r * xs;
+      u8* out = dst + static_cast<std::size_t>(r) * ds;
+      for (int c = 0; c < hd; c += qk, out += bytes) {
+        int const n = hd - c < qk ? hd - c : qk;
+        if constexpr (Mx)
+          mxfp4_encode_block(row + c, n, out, p);
+        else
+          nvfp4_encode_block(row + c, n, out, p);
+      }
+    }
+  }
+
+  /// Decodes the first n values of one mxfp4 (n <= 32) or nvfp4 (n <= 64) block
+  /// (mxfp4::decode_block / nvfp4::decode_block, bit for bit): each scale's 16 values by table.
+  template <bool Mx>
+  static void fp4_decode_block(u8 const* src, int n, float* y, fp4_params const& p) noexcept {
+    constexpr int groups = Mx ? 1 : 4;                                 // scales per block
+    constexpr int per = Mx ? detail::qk_mxfp4 : detail::qk_nvfp4_sub;  // values per scale
+    constexpr int half = per / 2;  // value j < half in the low nibble of byte j, j >= half in the high one of j - half
+    u8 const* const qs = src + groups;
+    for (int g = 0; g < groups && g * per < n; ++g) {
+      u8 const e = src[g];
+      float table[16];
+      if constexpr (Mx)
+        detail::fp4_decode_table(detail::mxfp4_half_scale(e), e == detail::mxfp4_poisoned_scale, p.scale, table);
+      else
+        detail::fp4_decode_table(detail::nvfp4_half_scale(e), e == detail::nvfp4_poisoned_scale, p.scale, table);
+      auto const t = V::make_table16(table);
+      u8 const* const gq = qs + g * half;
+      for (int j = 0; j < per && g * per + j < n; j += W) {
+        vi nib;
+        if constexpr (W <= half) {
+          vi const b = V::load_u8(gq + (j % half));
+          nib = j < half ? V::and_i(b, V::set1_i(15)) : V::template srli<4>(b);
+        } else {  // a vector spans both nibbles of the group's bytes
+          alignas(64) u8 c[std::size_t{W}] = {};
+          for (int l = 0; l < W && j + l < per; ++l)
+            c[l] = static_cast<u8>(j + l < half ? gq[j + l] & 15 : gq[j + l - half] >> 4);
+          nib = V::load_u8(c);
+        }
+        vf const r = V::template lookup<4>(t, nib);
+        int const at = g * per + j;
+        if (at + W <= n)
+          V::store(y + at, r);
+        else
+          store_part(y + at, r, n - at);
+      }
+    }
+  }
+
+  template <bool Mx>
+  static void fp4_decode_rows(u8 const* src, std::size_t ss, std::int64_t rows, int hd, float* y, std::ptrdiff_t ys,
+                              fp4_params const& p) noexcept {
+    constexpr int qk = Mx ? detail::qk_mxfp4 : detail::qk_nvfp4;
+    constexpr std::size_t bytes = Mx ? sizeof(detail::block_mxfp4) : sizeof(detail::block_nvfp4);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      u8 const* in = src + static_cast<std::size_t>(r) * ss;
+      float* const row = y + r * ys;
+      for (int c = 0; c < hd; c += qk, in += bytes) fp4_decode_block<Mx>(in, hd - c < qk ? hd - c : qk, row + c, p);
     }
   }
 
@@ -1047,7 +1215,8 @@ struct simd_codecs {
   static constexpr bool has_rows =
       std::is_same_v<C, f32_codec> || std::is_same_v<C, f16_codec> || std::is_same_v<C, q8_0> ||
       std::is_same_v<C, q4_0> || std::is_same_v<C, int8_sym> || std::is_same_v<C, fp8_e4m3> ||
-      std::is_same_v<C, fp8_e5m2> || kivi_value_traits<C>::value || tq_codebook_traits<C>::value;
+      std::is_same_v<C, fp8_e5m2> || std::is_same_v<C, mxfp4> || std::is_same_v<C, nvfp4> ||
+      kivi_value_traits<C>::value || tq_codebook_traits<C>::value;
 
   template <row_codec C>
   static void encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst, std::size_t ds,
@@ -1082,6 +1251,8 @@ struct simd_codecs {
       kivi_value_encode_rows<C::bits, C::group>(x, xs, rows, hd, dst, ds);
     } else if constexpr (tq_codebook_traits<C>::value) {
       tq_encode_rows<C::bits>(x, xs, rows, hd, dst, ds);
+    } else if constexpr (std::is_same_v<C, mxfp4> || std::is_same_v<C, nvfp4>) {
+      fp4_encode_rows<std::is_same_v<C, mxfp4>>(x, xs, rows, hd, dst, ds, p);
     } else {
       scalar::encode_rows<C>(x, xs, rows, hd, dst, ds, p);
     }
@@ -1121,6 +1292,8 @@ struct simd_codecs {
         kivi_value_decode_row<C::bits, C::group>(src + static_cast<std::size_t>(r) * ss, hd, y + r * ys);
     } else if constexpr (tq_codebook_traits<C>::value) {
       tq_decode_rows<C::bits>(src, ss, rows, hd, y, ys);
+    } else if constexpr (std::is_same_v<C, mxfp4> || std::is_same_v<C, nvfp4>) {
+      fp4_decode_rows<std::is_same_v<C, mxfp4>>(src, ss, rows, hd, y, ys, p);
     } else {
       scalar::decode_rows<C>(src, ss, rows, hd, y, ys, p);
     }
