@@ -119,13 +119,19 @@ auto evaluate(synthetic_shape const& s, std::vector<synthetic_layer> const& laye
     r.bits_per_element = mem.bits_per_element;
     r.memory_vs_f16 = static_cast<double>(mem.total_bytes) / static_cast<double>(f16_total);
 
-    // Encode: the whole context of every layer as one prefill append.
+    // Encode: the whole context of every layer as one prefill append, timed on the second pass
+    // (the steady state of an engine: the first pass touches the cache's memory, then reset).
+    auto const append_all = [&] {
+      for (int l = 0; l < s.layers; ++l) {
+        auto const& L = layers[static_cast<std::size_t>(l)];
+        cache->append(l, kvq::token_major(L.keys.data(), s.context, s.kv_heads, d),
+                      kvq::token_major(L.values.data(), s.context, s.kv_heads, d));
+      }
+    };
+    append_all();
+    cache->reset();
     auto t0 = clock_type::now();
-    for (int l = 0; l < s.layers; ++l) {
-      auto const& L = layers[static_cast<std::size_t>(l)];
-      cache->append(l, kvq::token_major(L.keys.data(), s.context, s.kv_heads, d),
-                    kvq::token_major(L.values.data(), s.context, s.kv_heads, d));
-    }
+    append_all();
     r.encode_gbps = f32_bytes / seconds_since(t0) / 1e9;
     // Blocks whose stored scale is NaN or Inf (e.g. q8_0/q4_0 fp16 scale overflow) decode to NaN/Inf.
     r.nonfinite_blocks = cache->nonfinite_blocks().total();

@@ -77,12 +77,14 @@ struct rotated_constants<C> {
   static constexpr int group = C::group;
 };
 
-/// R and Rᵀ for rows of one head_dim under one seed, with the sign words computed once.
+/// R and Rᵀ for rows of one head_dim under one seed, with the sign words computed once (held in
+/// place up to head_dim 1024, so building one for a call allocates nothing).
 class row_rotation {
  public:
-  row_rotation(int head_dim, std::uint64_t seed)
-      : head_dim_(head_dim), words_(static_cast<std::size_t>((head_dim + 63) / 64)) {
-    rotation_sign_words(seed, head_dim, words_.data());
+  row_rotation(int head_dim, std::uint64_t seed) : head_dim_(head_dim) {
+    auto const n = static_cast<std::size_t>(rotation_word_count(head_dim));
+    if (n > small_.size()) large_.resize(n);
+    rotation_sign_words(seed, head_dim, words());
   }
   /// x ← R x for one row of head_dim floats (the SIMD kernels of this translation unit's level,
   /// bit-identical to detail::rotate_forward_signs).
@@ -91,16 +93,19 @@ class row_rotation {
   void inverse(float* x) const noexcept { inverse_rows(x, 1, head_dim_); }
   /// Applies forward to `rows` rows `stride` floats apart.
   void forward_rows(float* x, std::int64_t rows, std::ptrdiff_t stride) const noexcept {
-    cpu_kernels::rotate_forward_rows(x, rows, stride, head_dim_, words_.data());
+    cpu_kernels::rotate_forward_rows(x, rows, stride, head_dim_, words());
   }
   /// Applies inverse to `rows` rows `stride` floats apart.
   void inverse_rows(float* x, std::int64_t rows, std::ptrdiff_t stride) const noexcept {
-    cpu_kernels::rotate_inverse_rows(x, rows, stride, head_dim_, words_.data());
+    cpu_kernels::rotate_inverse_rows(x, rows, stride, head_dim_, words());
   }
 
  private:
+  auto words() noexcept -> std::uint64_t* { return large_.empty() ? small_.data() : large_.data(); }
+  auto words() const noexcept -> std::uint64_t const* { return large_.empty() ? small_.data() : large_.data(); }
   int head_dim_;
-  std::vector<std::uint64_t> words_;
+  std::array<std::uint64_t, 16> small_{};
+  std::vector<std::uint64_t> large_;
 };
 
 /// The rotation of codec C's side: R under C's seed when C is rotated, none otherwise.
