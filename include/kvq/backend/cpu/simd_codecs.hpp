@@ -516,14 +516,17 @@ struct simd_codecs {
     constexpr int per = Mx ? detail::qk_mxfp4 : detail::qk_nvfp4_sub;  // values per scale
     constexpr int half = per / 2;  // value j < half in the low nibble of byte j, j >= half in the high one of j - half
     u8 const* const qs = src + groups;
+    // fp4_decode_table's values K[c] * h * scale: K[c] * h is exact (at most 8 significant bits),
+    // so the lanes multiply the fixed table of K by h, then by the scale (its one rounding).
+    float doubled[16];
+    for (int c = 0; c < 16; ++c) doubled[c] = static_cast<float>(detail::fp4_doubled_value(c));
+    auto const t = V::make_table16(doubled);
+    bool const scaled = p.scale != 1.0f;
+    vf const sv = V::set1(p.scale);
     for (int g = 0; g < groups && g * per < n; ++g) {
       u8 const e = src[g];
-      float table[16];
-      if constexpr (Mx)
-        detail::fp4_decode_table(detail::mxfp4_half_scale(e), e == detail::mxfp4_poisoned_scale, p.scale, table);
-      else
-        detail::fp4_decode_table(detail::nvfp4_half_scale(e), e == detail::nvfp4_poisoned_scale, p.scale, table);
-      auto const t = V::make_table16(table);
+      bool const nan = e == (Mx ? detail::mxfp4_poisoned_scale : detail::nvfp4_poisoned_scale);
+      vf const hv = V::set1(Mx ? detail::mxfp4_half_scale(e) : detail::nvfp4_half_scale(e));
       u8 const* const gq = qs + g * half;
       for (int j = 0; j < per && g * per + j < n; j += W) {
         vi nib;
@@ -536,7 +539,9 @@ struct simd_codecs {
             c[l] = static_cast<u8>(j + l < half ? gq[j + l] & 15 : gq[j + l - half] >> 4);
           nib = V::load_u8(c);
         }
-        vf const r = V::template lookup<4>(t, nib);
+        vf r = V::mul(V::template lookup<4>(t, nib), hv);
+        if (scaled) r = V::mul(r, sv);
+        if (nan) r = V::set1(detail::fp4_nan());
         int const at = g * per + j;
         if (at + W <= n)
           V::store(y + at, r);
