@@ -7,6 +7,7 @@
 // runs rotated choices; this file holds what is specific to the rotation.)
 #include <kvq/any_cache.hpp>
 #include <kvq/attention.hpp>
+#include <kvq/codec/fp4.hpp>
 #include <kvq/codec/fp8.hpp>
 #include <kvq/codec/int8.hpp>
 #include <kvq/codec/kivi.hpp>
@@ -18,6 +19,7 @@
 #include <kvq/paged_cache.hpp>
 #include <kvq/persist.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -338,4 +340,31 @@ TEST_CASE("tq: tq4 loses less than q4_0 at fewer bits on head_dim 128 rows with 
   CHECK(t3 < t2);
   // The Lloyd-Max distortion of a unit Gaussian is what a rotated row's coordinates see.
   CHECK(t4 < 1.3 * 0.009497);
+}
+
+TEST_CASE("fp4 codecs in the facade and the cache options", "[fp4][any_cache]") {
+  kvq::any_cache_options o;
+  o.residual = 0;
+  o.key_fp4.scale = 0.5f;
+  auto c = kvq::make_any_cache({2, 2, 64, 16}, "mxfp4", "mxfp4", o);
+  auto n = kvq::make_any_cache({2, 2, 64, 16}, "nvfp4", "nvfp4", o);
+  std::vector<float> x(4 * 2 * 64);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::cos(0.1f * static_cast<float>(i));
+  for (auto* cache : {c.get(), n.get()}) {
+    cache->append(1, kvq::token_major(x.data(), 4, 2, 64), kvq::token_major(x.data(), 4, 2, 64));
+    std::vector<float> k(4 * 64), v(4 * 64);
+    cache->read_keys(1, 1, 0, 4, k.data());
+    cache->read_values(1, 1, 0, 4, v.data());
+    double err = 0;
+    for (int t = 0; t < 4; ++t)
+      for (int i = 0; i < 64; ++i)
+        err = std::max(err, std::fabs(static_cast<double>(k[static_cast<std::size_t>(t * 64 + i)]) -
+                                      x[static_cast<std::size_t>((t * 2 + 1) * 64 + i)]));
+    CHECK(err <= 0.25);  // E2M1 steps: at most half a step of the largest magnitude (1) above 1
+  }
+  kvq::QuantizedKVCache<kvq::nvfp4>::options bad;
+  bad.key.scale = 0.0f;
+  CHECK_THROWS_AS(kvq::QuantizedKVCache<kvq::nvfp4>({1, 1, 64, 4}, bad), kvq::invalid_argument_error);
+  bad.key.scale = std::numeric_limits<float>::infinity();
+  CHECK_THROWS_AS(kvq::QuantizedKVCache<kvq::nvfp4>({1, 1, 64, 4}, bad), kvq::invalid_argument_error);
 }
