@@ -340,8 +340,11 @@ TEMPLATE_TEST_CASE("cuda host: rotated codecs match the CPU caches", "[cuda_host
     kt::run_paged<TestType, host_paged_harness>(64, r);
     kt::run_paged_chunks<TestType, host_paged_harness>(40, r, {64, 40});
   }
-  if constexpr (std::is_same_v<TestType, kvq::tq4> || std::is_same_v<TestType, rot_q4_0>)
+  if constexpr (std::is_same_v<TestType, kvq::tq4> || std::is_same_v<TestType, rot_q4_0>) {
     kt::run_special_values<TestType, host_harness>(40);
+    // Rows wider than KVQ_ROTATED_ROW_MAX (256 + 64): the write kernels rotate coordinate by coordinate.
+    kt::run_special_values<TestType, host_harness>(320);
+  }
 }
 
 // Centered keys: the key means μ computed on the device from the first chunk by the CPU's rule

@@ -56,6 +56,19 @@ inline auto bits(float x) -> std::uint32_t { return std::bit_cast<std::uint32_t>
 /// True when both are NaN, or both have identical bits.
 inline auto same_value(float a, float b) -> bool { return (std::isnan(a) && std::isnan(b)) || bits(a) == bits(b); }
 
+/// The same for binary16: a NaN's sign and payload come from the arithmetic that made it, which
+/// differs between processors (x86's default NaN is negative, a GPU's positive), so any two NaNs match.
+inline auto same_value(kvq::f16 a, kvq::f16 b) -> bool {
+  auto const nan = [](kvq::f16 h) { return (h.bits & 0x7c00u) == 0x7c00u && (h.bits & 0x03ffu) != 0; };
+  return (nan(a) && nan(b)) || a.bits == b.bits;
+}
+
+/// The same for bfloat16.
+inline auto same_value(kvq::bf16 a, kvq::bf16 b) -> bool {
+  auto const nan = [](kvq::bf16 h) { return (h.bits & 0x7f80u) == 0x7f80u && (h.bits & 0x007fu) != 0; };
+  return (nan(a) && nan(b)) || a.bits == b.bits;
+}
+
 /// The raw bits of an element (float, kvq::f16 or kvq::bf16), for bit-exact comparisons.
 template <class T>
 auto elem_bits(T x) -> std::uint32_t {

@@ -4,6 +4,8 @@
 //   cuda/encode/<codec>         append of 64k f16 tokens x 8 kv heads x 128 (K and V) into a cache
 //   cuda/decode/<codec>         read of those tokens back to f16, every head
 //   cuda/attention/<codec>/ctx:<n>/batch:<b>   decode attention, 32 query / 8 kv heads, head_dim 128
+//   cuda/multi/<codec>/n_q:<n>  kvq::attention of n_q query tokens (causal, the last n_q positions)
+//                               over 16k tokens: speculative verification (n_q 8) and a prefill chunk
 // Every working set is at least twice the GPU's L2 (attention rotates over layers to get there).
 // GB/s counts the bytes each kernel must move: encode and decode read their input and write their
 // output; attention reads the quantized K and V of the attended tokens. After the run a summary
@@ -281,6 +283,39 @@ void bm_attention(benchmark::State& state, std::string const& name) {
 }
 
 template <class Choice>
+void bm_multi(benchmark::State& state, std::string const& name) {
+  std::int64_t const ctx = 16384;
+  std::int64_t const n_q = state.range(0);
+  double const layer_bytes = stored_bytes_per_token<Choice>() * static_cast<double>(ctx);
+  int const layers = std::max(1, static_cast<int>(2.0 * static_cast<double>(gpu().l2) / layer_bytes) + 1);
+  kvq::QuantizedKVCache<Choice, kvq::cuda> cache({layers, kv_heads, head_dim, ctx}, make_options<Choice>());
+  std::int64_t const chunk = 4096;
+  auto const data = random_f16(chunk * kv_heads * head_dim, 7);
+  auto const src = kvq::token_major(static_cast<kvq::f16 const*>(data->p), chunk, kv_heads, head_dim);
+  for (int l = 0; l < layers; ++l)
+    for (std::int64_t t = 0; t < ctx; t += chunk) cache.append(l, src, src, gpu().stream);
+  // (n_q, q_heads, head_dim) f32 queries: f16 hash bits reinterpreted, then zeroed (finite either way).
+  auto const q = random_f16(n_q * q_heads * head_dim * 2, 8);
+  cuda_ok(cudaMemsetAsync(q->p, 0, static_cast<std::size_t>(n_q) * q_heads * head_dim * 4, gpu().stream), "q");
+  device_bytes out(static_cast<std::size_t>(n_q) * q_heads * head_dim * 4);
+  auto* qf = static_cast<float const*>(q->p);
+  auto* of = static_cast<float*>(out.p);
+  kvq::attention_options opt;  // causal, first_pos = ctx - n_q
+  kvq::attention(cache, 0, qf, n_q, q_heads, of, opt, gpu().stream);
+  cache.synchronize(gpu().stream);
+  double total = 0;
+  int layer = 0;
+  for (auto _ : state) {
+    double const s = timed([&] { kvq::attention(cache, layer, qf, n_q, q_heads, of, opt, gpu().stream); });
+    layer = (layer + 1) % layers;
+    state.SetIterationTime(s);
+    total += s;
+  }
+  cache.synchronize(gpu().stream);
+  finish(state, "multi/" + name + "/n_q:" + std::to_string(n_q), total, layer_bytes);
+}
+
+template <class Choice>
 void register_codec(std::string const& name, bool attention) {
   benchmark::RegisterBenchmark(("cuda/encode/" + name).c_str(),
                                [name](benchmark::State& s) { bm_encode<Choice>(s, name); })
@@ -296,6 +331,10 @@ void register_codec(std::string const& name, bool attention) {
   b->UseManualTime()->Unit(benchmark::kMillisecond)->ArgNames({"ctx", "batch"});
   for (std::int64_t ctx : {4096, 32768, 131072})
     for (int batch : {1, 16}) b->Args({ctx, batch});
+  auto* m = benchmark::RegisterBenchmark(("cuda/multi/" + name).c_str(),
+                                         [name](benchmark::State& s) { bm_multi<Choice>(s, name); });
+  m->UseManualTime()->Unit(benchmark::kMillisecond)->ArgNames({"n_q"});
+  for (int n_q : {1, 8, 512}) m->Arg(n_q);
 }
 
 void print_summary() {
@@ -323,6 +362,16 @@ void print_summary() {
     std::printf("%-42s %9.3f %9.0f %8.0f%% %8.2fx\n", k.c_str(), v.first * 1e3, g,
                 read_gbs > 0 ? 100 * g / read_gbs : 0.0, speedup);
   }
+  std::printf("%-42s %9s %9s %9s %9s\n", "multi-token (16k tokens, causal)", "ms", "vs n_q 1", "vs f16", "");
+  for (auto const& [k, v] : r) {
+    if (k.rfind("multi/", 0) != 0) continue;
+    std::string const codec = k.substr(6, k.find('/', 6) - 6);
+    std::string const rest = k.substr(k.find('/', 6));  // "/n_q:..."
+    auto const one = r.find("multi/" + codec + "/n_q:1");
+    auto const f16 = r.find("multi/f16" + rest);
+    std::printf("%-42s %9.3f %8.2fx %8.2fx\n", k.c_str(), v.first * 1e3,
+                one == r.end() ? 0.0 : v.first / one->second.first, f16 == r.end() ? 0.0 : f16->second.first / v.first);
+  }
 }
 
 }  // namespace
@@ -349,6 +398,13 @@ int main(int argc, char** argv) {
   register_codec<kvq::kivi<2>>("kivi2", true);
   register_codec<kvq::kivi<4>>("kivi4", true);
   register_codec<kvq::kivi<8>>("kivi8", false);
+  register_codec<kvq::rotated<kvq::q4_0>>("rot-q4_0", true);
+  register_codec<kvq::kv_codecs<kvq::centered<kvq::q4_0>, kvq::q4_0>>("ctr-q4_0", false);
+  register_codec<kvq::tq2>("tq2", false);
+  register_codec<kvq::tq3>("tq3", true);
+  register_codec<kvq::tq4>("tq4", true);
+  register_codec<kvq::mxfp4>("mxfp4", true);
+  register_codec<kvq::nvfp4>("nvfp4", true);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

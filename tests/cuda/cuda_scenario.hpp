@@ -155,7 +155,8 @@ void require_same_reads(P& c, int l) {
     auto const gh = c.gpu.template read<kvq::f16>(false, l, 0, first, count);
     auto const gb = c.gpu.template read<kvq::bf16>(true, l, s.kv_heads - 1, first, count);
     bool same = true;
-    for (std::size_t i = 0; i < wh.size(); ++i) same = same && wh[i].bits == gh[i].bits && wb[i].bits == gb[i].bits;
+    for (std::size_t i = 0; i < wh.size(); ++i)
+      same = same && kvq_test::same_value(wh[i], gh[i]) && kvq_test::same_value(wb[i], gb[i]);
     CHECK(same);
   }
 }

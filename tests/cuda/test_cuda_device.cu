@@ -408,6 +408,8 @@ TEMPLATE_TEST_CASE("cuda: rotated codecs match the CPU caches", "[rotated]", kvq
   }
   kt::run_multi_token<TestType, device_harness>(128, r);
   kt::run_paged<TestType, device_paged_harness>(128, r);
+  // Rows wider than KVQ_ROTATED_ROW_MAX (256 + 64): the write kernels rotate coordinate by coordinate.
+  kt::run_special_values<TestType, device_harness>(320);
 }
 
 TEMPLATE_TEST_CASE("cuda: centered keys match the CPU caches", "[centered]",

@@ -244,6 +244,7 @@ struct kvq_attention_smem {
   int32_t k;       ///< (tile, head_dim + 1) decoded keys (rows padded: no bank conflicts)
   int32_t p;       ///< (heads, tile) logits, then probabilities
   int32_t w;       ///< (heads, tile) weights of the values (probabilities, f16-rounded on request)
+  int32_t e;       ///< (heads, tile) terms of the rows' sums (probabilities against the tile's max)
   int32_t m;       ///< (heads) running max
   int32_t l;       ///< (heads) running sum
   int32_t corr;    ///< (heads) rescale factor of the current tile
@@ -264,7 +265,8 @@ KVQ_HOST_DEVICE kvq_attention_smem kvq_attention_smem_layout(int32_t head_dim, i
   s.k = s.o + heads * head_dim;
   s.p = s.k + tile * (head_dim + 1);
   s.w = s.p + heads * tile;
-  s.m = s.w + heads * tile;
+  s.e = s.w + heads * tile;
+  s.m = s.e + heads * tile;
   s.l = s.m + heads;
   s.corr = s.l + heads;
   s.qd = s.corr + heads;

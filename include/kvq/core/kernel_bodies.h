@@ -227,8 +227,9 @@ KVQ_HOST_DEVICE float fp8_e5m2_decode(u8 code, float scale) { return kd::e5m2_to
 
 /// A row of head_dim input values: its first element, element type, whether values pass through
 /// f16 first, whether the row is rotated by R (seed) first and the key mean subtracted before that
-/// (centered keys; null: none). Rows of an f16 residual are rows of type f16 (stored centered and
-/// rotated: never again).
+/// (centered keys; null: none), and, for a rotated row, R x already computed by the calling
+/// thread (rotate_input_row; null: each coordinate is computed alone). Rows of an f16 residual are
+/// rows of type f16 (stored centered and rotated: never again).
 struct row_ref {
   KVQ_GLOBAL const u8* p;
   int type;
@@ -237,6 +238,7 @@ struct row_ref {
   int head_dim;
   kd::u64 seed;
   KVQ_GLOBAL const float* mean;
+  KVQ_THREAD const float* rotated;
 };
 
 /// Channel c of a row widened to f32, less the key mean where the row has one (x - mu, one
@@ -320,16 +322,14 @@ KVQ_HOST_DEVICE float rotated_coordinate(row_ref x, int c) {
   return kd::mul_rn(butterfly_output(leaves, n, c - o), kd::rotation_scale(n));
 }
 
-/// Applies R (inverse false) or R^T (inverse true) to a row x: (head_dim) in block-shared memory,
-/// as detail::rotate_forward_signs / rotate_inverse_signs: signs, butterflies per rotation block,
-/// times c_n (R^T: the signs last).
-KVQ_HOST_DEVICE void rotate_shared_row(KVQ_SHARED float* x, int head_dim, kd::u64 seed, bool inverse) {
-  sign_words signs = make_sign_words(seed);
-  if (!inverse)
-    for (int i = 0; i < head_dim; ++i) x[i] = signs.apply(x[i], i);
+/// The butterfly stages h = 1, 2, ..., n/2 of every rotation block of a row x (head_dim), each block
+/// then times c_n, in place, as detail::rotation_butterflies; `Row` is a pointer into the memory
+/// that holds the row (block-shared or the thread's own).
+template <class Row>
+KVQ_HOST_DEVICE void rotation_blocks(Row x, int head_dim) {
   for (int o = 0; o < head_dim;) {
     const int n = kd::rotation_block_size(head_dim, o);
-    KVQ_SHARED float* u = x + o;
+    Row u = x + o;
     for (int h = 1; h < n; h *= 2)
       for (int s = 0; s < n; s += 2 * h)
         for (int i = s; i < s + h; ++i) {
@@ -342,6 +342,16 @@ KVQ_HOST_DEVICE void rotate_shared_row(KVQ_SHARED float* x, int head_dim, kd::u6
     for (int i = 0; i < n; ++i) u[i] = kd::mul_rn(u[i], cn);
     o += n;
   }
+}
+
+/// Applies R (inverse false) or R^T (inverse true) to a row x: (head_dim) in block-shared memory,
+/// as detail::rotate_forward_signs / rotate_inverse_signs: signs, butterflies per rotation block,
+/// times c_n (R^T: the signs last).
+KVQ_HOST_DEVICE void rotate_shared_row(KVQ_SHARED float* x, int head_dim, kd::u64 seed, bool inverse) {
+  sign_words signs = make_sign_words(seed);
+  if (!inverse)
+    for (int i = 0; i < head_dim; ++i) x[i] = signs.apply(x[i], i);
+  rotation_blocks(x, head_dim);
   if (inverse)
     for (int i = 0; i < head_dim; ++i) x[i] = signs.apply(x[i], i);
 }
@@ -349,7 +359,7 @@ KVQ_HOST_DEVICE void rotate_shared_row(KVQ_SHARED float* x, int head_dim, kd::u6
 /// Value of channel c of a row, as the CPU cache reads it: widened to f32, rotated (a rotated
 /// codec's input row), then f16-rounded for KIVI.
 KVQ_HOST_DEVICE float row_value(row_ref r, int c) {
-  const float x = r.rotate != 0 ? rotated_coordinate(r, c) : input_value(r, c);
+  const float x = r.rotate == 0 ? input_value(r, c) : (r.rotated != nullptr ? r.rotated[c] : rotated_coordinate(r, c));
   return r.round != 0 ? round_f16_satfinite(x) : x;
 }
 
@@ -378,7 +388,20 @@ KVQ_HOST_DEVICE row_ref batch_row(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL const u8
   }
   r.head_dim = a.head_dim;
   r.seed = a.dst.rotation_seed;
+  r.rotated = nullptr;
   return r;
+}
+
+/// Widest row whose rotation a write thread computes whole into its own memory (head_dim log2
+/// head_dim adds, once) instead of coordinate by coordinate (head_dim adds per coordinate read).
+#define KVQ_ROTATED_ROW_MAX 256
+
+/// Fills out (x.head_dim <= KVQ_ROTATED_ROW_MAX) with R x for a rotated input row x, every channel
+/// bit for bit rotated_coordinate's: the signs, then the butterflies of each rotation block.
+KVQ_HOST_DEVICE void rotate_input_row(row_ref x, KVQ_THREAD float* out) {
+  sign_words signs = make_sign_words(x.seed);
+  for (int i = 0; i < x.head_dim; ++i) out[i] = signs.apply(input_value(x, i), i);
+  rotation_blocks(out, x.head_dim);
 }
 
 // ---- encoders ----------------------------------------------------------------------------------
@@ -605,7 +628,15 @@ KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq
 KVQ_HOST_DEVICE void encode_rows_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer,
                                     KVQ_GLOBAL const u8* input, int h, int i, int b) {
   KVQ_GLOBAL u8* row = region_ptr(layer, a.dst, h) + static_cast<i64>(a.first + i) * static_cast<i64>(a.dst.unit_bytes);
-  encode_block(codec, batch_row(a, layer, input, h, i), a.head_dim, b, a.dst, row);
+  row_ref x = batch_row(a, layer, input, h, i);
+  if (x.rotate != 0 && a.head_dim <= KVQ_ROTATED_ROW_MAX) {  // R x once, not per coordinate read
+    float rotated[KVQ_ROTATED_ROW_MAX];
+    rotate_input_row(x, rotated);
+    x.rotated = rotated;
+    encode_block(codec, x, a.head_dim, b, a.dst, row);
+    return;
+  }
+  encode_block(codec, x, a.head_dim, b, a.dst, row);
 }
 
 /// encode_key_tiles: channel c of KIVI key tile first + j of kv_head h, its G values (batch rows
@@ -684,6 +715,7 @@ KVQ_HOST_DEVICE void key_mean_at(KVQ_ARG(kvq_write_args) a, KVQ_GLOBAL u8* layer
   r.head_dim = a.head_dim;
   r.seed = 0;
   r.mean = nullptr;
+  r.rotated = nullptr;
   float sum = 0.0f;
   int n = 0;
   for (int t = 0; t < a.count; ++t) {
@@ -897,14 +929,42 @@ KVQ_HOST_DEVICE KVQ_GLOBAL const u8* attention_units(KVQ_ARG(kvq_attention_args)
   return region_ptr(layer, r, kv);
 }
 
-/// Channel c of token t of kv_head kv in an attention, its residual rows at `res`.
-KVQ_HOST_DEVICE float attention_element(int codec, KVQ_ARG(kvq_attention_args) a, KVQ_GLOBAL const int32_t* pages,
-                                        int pages_first, KVQ_GLOBAL const u8* layer, kvq_region r,
-                                        KVQ_GLOBAL const u8* res, int kv, int t, int c) {
+/// Channels [c0, c0 + n) (n <= 32, c0 a multiple of 32) of token t of kv_head kv in an attention
+/// into dst[0, n): decode_element's values of the token's units (its page's in a paged cache), with
+/// the units, the residual test and (q8_0, q4_0, mxfp4) the block scale taken once for the chunk.
+KVQ_HOST_DEVICE void attention_chunk(int codec, KVQ_ARG(kvq_attention_args) a, KVQ_GLOBAL const int32_t* pages,
+                                     int pages_first, KVQ_GLOBAL const u8* layer, kvq_region r,
+                                     KVQ_GLOBAL const u8* res, int kv, int t, int c0, int n, KVQ_SHARED float* dst) {
   const int first = attention_units_first(a, t);
   KVQ_GLOBAL const u8* units = attention_units(a, pages, pages_first, layer, r, kv, t);
   r.quantized -= first;
-  return decode_element(codec, units, res, r, a.head_dim, t - first, c);
+  const int hd = a.head_dim;
+  if (t - first >= r.quantized || is_kivi_key(codec)) {  // f16 residual rows, KIVI key tiles
+    for (int j = 0; j < n; ++j) dst[j] = decode_element(codec, units, res, r, hd, t - first, c0 + j);
+    return;
+  }
+  KVQ_GLOBAL const u8* row = units + static_cast<i64>(t - first) * static_cast<i64>(r.unit_bytes);
+  if (codec == kvq_codec_q4_0) {
+    KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c0 / 32) * static_cast<i64>(sizeof(kd::block_q4_0));
+    const float d = ld_f16(blk);
+    for (int j = 0; j < n; ++j)
+      dst[j] =
+          kd::q4_0_value(j < 16 ? static_cast<int>(blk[2 + j] & 0x0fu) : static_cast<int>(blk[2 + j - 16] >> 4), d);
+  } else if (codec == kvq_codec_q8_0) {
+    KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c0 / 32) * static_cast<i64>(sizeof(kd::block_q8_0));
+    const float d = ld_f16(blk);
+    for (int j = 0; j < n; ++j) dst[j] = kd::q8_0_value(sext8(blk[2 + j]), d);
+  } else if (codec == kvq_codec_mxfp4) {
+    KVQ_GLOBAL const u8* blk = row + static_cast<i64>(c0 / kd::qk_mxfp4) * static_cast<i64>(sizeof(kd::block_mxfp4));
+    const bool poisoned = blk[0] == kd::mxfp4_poisoned_scale;
+    const float h = kd::mxfp4_half_scale(blk[0]);
+    for (int j = 0; j < n; ++j) {
+      const int code = j < 16 ? static_cast<int>(blk[1 + j] & 0x0fu) : static_cast<int>(blk[1 + j - 16] >> 4);
+      dst[j] = poisoned ? kd::fp4_nan() : kd::mul_rn(kd::fp4_value(code, h), r.codec_scale);
+    }
+  } else {
+    for (int j = 0; j < n; ++j) dst[j] = decode_row_element(codec, row, hd, c0 + j, r);
+  }
 }
 
 /// Tokens [*lo, *hi) that query token i of a multi-token attention attends (see
@@ -947,12 +1007,13 @@ KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u
 /// languages do not share, so they come from the backend.
 ///
 /// Per tile of `tile` tokens (of the union of its rows' ranges): the keys are decoded once into
-/// block memory (or, for the integer dots of a q8_0 query with q8_0/q4_0 keys, read in place),
-/// one thread per (row, token) computes a logit (-Inf outside the row's tokens or where its mask
-/// excludes, plus its additive mask), one thread per row the online softmax of the tile (token by
-/// token, as kvq::attend_range), and one thread per channel accumulates P·V, decoding every value
-/// once for all rows of the block. NaN/Inf as kvq::attend_range: a NaN or +Inf logit makes the
-/// row NaN, a -Inf logit weighs 0.
+/// block memory, 32 channels of a token per thread (or, for the integer dots of a q8_0 query with
+/// q8_0/q4_0 keys, read in place), one thread per (row, token) computes a logit (-Inf outside the
+/// row's tokens or where its mask excludes, plus its additive mask) and then its term of the online
+/// softmax (as kvq::attend_range goes token by token), the values are decoded into the keys'
+/// place, one thread per row sums its terms in token order, and one thread per (row, channel)
+/// accumulates P·V. NaN/Inf as kvq::attend_range: a NaN or +Inf logit
+/// makes the row NaN, a -Inf logit weighs 0.
 template <class Threads>
 KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq,
                                      KVQ_GLOBAL const u8* key_layer, KVQ_GLOBAL const u8* value_layer,
@@ -1004,6 +1065,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   KVQ_SHARED float* k_s = smem + L.k;
   KVQ_SHARED float* p_s = smem + L.p;
   KVQ_SHARED float* w_s = smem + L.w;
+  KVQ_SHARED float* e_s = smem + L.e;
   KVQ_SHARED float* m_s = smem + L.m;
   KVQ_SHARED float* l_s = smem + L.l;
   KVQ_SHARED float* c_s = smem + L.corr;
@@ -1084,14 +1146,14 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   for (int t0 = t_begin; t0 < t_end; t0 += T) {
     const int n = imin(T, t_end - t0);
 
-    // Keys of the tile, decoded once for all heads: k_s (n, hd + 1).
+    // Keys of the tile, decoded once for all heads, 32 channels of a token per thread: k_s (n, hd + 1).
     if (!int_dot) {
       for (int k = 0; k < lanes; ++k) {
-        for (int w = th.tid(k); w < n * hd; w += nt) {
-          const int i = w / hd;
-          const int c = w - i * hd;
-          k_s[i * kstride + c] =
-              attention_element(kcodec, a, pages, sq.pages_first, key_layer, kr, kres, kv, t0 + i, c);
+        for (int w = th.tid(k); w < n * nb; w += nt) {
+          const int i = w / nb;
+          const int c0 = 32 * (w - i * nb);
+          attention_chunk(kcodec, a, pages, sq.pages_first, key_layer, kr, kres, kv, t0 + i, c0, imin(32, hd - c0),
+                          k_s + i * kstride + c0);
         }
       }
       th.barrier();
@@ -1132,32 +1194,54 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
     }
     th.barrier();
 
-    // Online softmax, one thread per head, token by token as kvq::attend_range goes: token i's
-    // probability e_i = exp(s_i - m_i) is taken against the running max after it,
-    // m_i = max(m_old, s_0 .. s_i) (so f16-rounded probabilities round the same values as the
-    // reference), then rescaled to the tile's max by exp(m_i - m_new). w_s gets the weights of
-    // the values (-0.0 marks a -Inf logit, skipped in P·V), c_s the rescale of what came before.
+    // Online softmax as kvq::attend_range goes token by token: token i's probability
+    // e_i = exp(s_i - m_i) is taken against the running max after it, m_i = max(m_old, s_0 .. s_i)
+    // (so f16-rounded probabilities round the same values as the reference), then rescaled to the
+    // tile's max by exp(m_i - m_new). One thread per (row, token) computes its m_i, m_new and
+    // exponentials: w_s gets the weight of the value (-0.0 marks a -Inf logit, skipped in P·V),
+    // e_s the term of the row's sum (0 for a skipped token).
+    for (int k = 0; k < lanes; ++k) {
+      for (int w = th.tid(k); w < nh * n; w += nt) {
+        const int g = w / n;
+        const int i = w - g * n;
+        float m_new = m_s[g];
+        float mi = m_new;
+        for (int j = 0; j < n; ++j) {
+          const float s = p_s[g * T + j];
+          m_new = s > m_new ? s : m_new;  // NaN logits take no part in the max
+          if (j == i) mi = m_new;
+        }
+        const float s = p_s[g * T + i];
+        float wv = -0.0f;
+        float term = 0.0f;
+        if (s != ninf) {
+          const float e = exp_f32(s - mi);  // NaN for NaN or +Inf logits, which then propagates
+          const float rescale = mi == m_new ? 1.0f : exp_f32(mi - m_new);
+          term = kd::mul_rn(e, rescale);
+          wv = (a.probs_f16 != 0 ? round_f16(e) : e) * rescale;
+        }
+        w_s[g * T + i] = wv;
+        e_s[g * T + i] = term;
+      }
+      // The values of the tile into k_s (the keys' readers are done), as the keys were decoded.
+      for (int w = th.tid(k); w < n * nb; w += nt) {
+        const int i = w / nb;
+        const int c0 = 32 * (w - i * nb);
+        attention_chunk(vcodec, a, pages, sq.pages_first, value_layer, vr, vres, kv, t0 + i, c0, imin(32, hd - c0),
+                        k_s + i * kstride + c0);
+      }
+    }
+    th.barrier();
+    // One thread per row: the tile's terms summed in token order, c_s the rescale of what came before.
     for (int k = 0; k < lanes; ++k) {
       for (int g = th.tid(k); g < nh; g += nt) {
         const float m_old = m_s[g];
         float m_new = m_old;
-        for (int i = 0; i < n; ++i) {
-          const float s = p_s[g * T + i];
-          m_new = s > m_new ? s : m_new;  // NaN logits take no part in the max
-        }
-        float mi = m_old;
         float sum = 0.0f;
         for (int i = 0; i < n; ++i) {
           const float s = p_s[g * T + i];
-          mi = s > mi ? s : mi;
-          float wv = -0.0f;
-          if (s != ninf) {
-            const float e = exp_f32(s - mi);  // NaN for NaN or +Inf logits, which then propagates
-            const float rescale = mi == m_new ? 1.0f : exp_f32(mi - m_new);
-            sum += e * rescale;
-            wv = (a.probs_f16 != 0 ? round_f16(e) : e) * rescale;
-          }
-          w_s[g * T + i] = wv;
+          m_new = s > m_new ? s : m_new;
+          sum += e_s[g * T + i];
         }
         const float corr = m_old == ninf ? 0.0f : (m_new == m_old ? 1.0f : exp_f32(m_old - m_new));
         c_s[g] = corr;
@@ -1167,25 +1251,22 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
     }
     th.barrier();
 
-    // P·V per channel, every value element decoded once for all heads.
+    // P·V, one thread per (row, channel) in turn: the decoded values (k_s) serve every row, the
+    // row's output held in a register over the tile's tokens.
     for (int k = 0; k < lanes; ++k) {
-      const int tid = th.tid(k);
-      for (int c = tid; c < hd; c += nt) {
-        for (int g = 0; g < nh; ++g) o_s[g * hd + c] *= c_s[g];
+      for (int w = th.tid(k); w < nh * hd; w += nt) {
+        const int g = w / hd;
+        const int c = w - g * hd;
+        float acc = o_s[w] * c_s[g];
         for (int i = 0; i < n; ++i) {
-          const float v = attention_element(vcodec, a, pages, sq.pages_first, value_layer, vr, vres, kv, t0 + i, c);
-          for (int g = 0; g < nh; ++g) {
-            const float wv = w_s[g * T + i];
-            if (!is_skipped(wv)) o_s[g * hd + c] += wv * v;
-          }
+          const float wv = w_s[g * T + i];
+          if (!is_skipped(wv)) acc += wv * k_s[i * kstride + c];
         }
+        o_s[w] = acc;
       }
     }
-    // No barrier here: the next tile writes k_s and p_s, whose readers finished before the
-    // softmax barrier, and w_s and c_s only after its own logits barrier, which every thread
-    // reaches after its P·V.
+    th.barrier();  // the next tile's keys overwrite the values in k_s
   }
-  th.barrier();  // o_s channels are written out by other threads
   // Each row un-rotated once: the values were accumulated in the value side's rotated space.
   if ((a.rotation & kvq_unrotate_output) != 0) {
     for (int k = 0; k < lanes; ++k)

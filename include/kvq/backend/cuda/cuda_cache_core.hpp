@@ -385,14 +385,14 @@ class cuda_cache_core : public cache_codecs<Choice> {
         });
   }
 
-  /// The attention launch settings of a runtime and options: tiles of 32 tokens, about 4 blocks
-  /// per SM.
+  /// The attention launch settings of a runtime and options: tiles of 32 tokens, about 8 blocks
+  /// per SM (a full wave at 128 threads: registers and shared memory allow 8).
   static auto attention_device(Runtime const& rt, options const& o) -> detail::attention_device {
     detail::attention_device d;
     d.smem_limit = rt.smem_per_block();
     d.threads = o.threads;
     d.max_tile = 32;
-    d.target_blocks = 4 * static_cast<std::int64_t>(std::max(rt.sm_count(), 1));
+    d.target_blocks = 8 * static_cast<std::int64_t>(std::max(rt.sm_count(), 1));
     d.split_tokens = o.split_tokens;
     return d;
   }
