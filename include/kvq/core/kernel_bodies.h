@@ -967,6 +967,22 @@ KVQ_HOST_DEVICE void attention_chunk(int codec, KVQ_ARG(kvq_attention_args) a, K
   }
 }
 
+/// Thread tid's share (items tid, tid + nt, ...) of decoding tokens [t0, t0 + n) of kv_head kv into
+/// dst (n, head_dim + 1), one item per 32 channels of a token (attention_chunk).
+KVQ_HOST_DEVICE void attention_tile_share(int codec, KVQ_ARG(kvq_attention_args) a, KVQ_GLOBAL const int32_t* pages,
+                                          int pages_first, KVQ_GLOBAL const u8* layer, kvq_region r,
+                                          KVQ_GLOBAL const u8* res, int kv, int t0, int n, int tid, int nt,
+                                          KVQ_SHARED float* dst) {
+  const int hd = a.head_dim;
+  const int nb = (hd + 31) / 32;
+  for (int w = tid; w < n * nb; w += nt) {
+    const int i = w / nb;
+    const int c0 = 32 * (w - i * nb);
+    attention_chunk(codec, a, pages, pages_first, layer, r, res, kv, t0 + i, c0, imin(32, hd - c0),
+                    dst + i * (hd + 1) + c0);
+  }
+}
+
 /// Tokens [*lo, *hi) that query token i of a multi-token attention attends (see
 /// kvq_attention_args), before its custom mask row; empty when *lo >= *hi.
 KVQ_HOST_DEVICE void query_range(KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq, int i, KVQ_THREAD int* lo,
@@ -1148,14 +1164,8 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
 
     // Keys of the tile, decoded once for all heads, 32 channels of a token per thread: k_s (n, hd + 1).
     if (!int_dot) {
-      for (int k = 0; k < lanes; ++k) {
-        for (int w = th.tid(k); w < n * nb; w += nt) {
-          const int i = w / nb;
-          const int c0 = 32 * (w - i * nb);
-          attention_chunk(kcodec, a, pages, sq.pages_first, key_layer, kr, kres, kv, t0 + i, c0, imin(32, hd - c0),
-                          k_s + i * kstride + c0);
-        }
-      }
+      for (int k = 0; k < lanes; ++k)
+        attention_tile_share(kcodec, a, pages, sq.pages_first, key_layer, kr, kres, kv, t0, n, th.tid(k), nt, k_s);
       th.barrier();
     }
 
@@ -1224,12 +1234,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         e_s[g * T + i] = term;
       }
       // The values of the tile into k_s (the keys' readers are done), as the keys were decoded.
-      for (int w = th.tid(k); w < n * nb; w += nt) {
-        const int i = w / nb;
-        const int c0 = 32 * (w - i * nb);
-        attention_chunk(vcodec, a, pages, sq.pages_first, value_layer, vr, vres, kv, t0 + i, c0, imin(32, hd - c0),
-                        k_s + i * kstride + c0);
-      }
+      attention_tile_share(vcodec, a, pages, sq.pages_first, value_layer, vr, vres, kv, t0, n, th.tid(k), nt, k_s);
     }
     th.barrier();
     // One thread per row: the tile's terms summed in token order, c_s the rescale of what came before.

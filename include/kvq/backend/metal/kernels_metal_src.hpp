@@ -2565,6 +2565,22 @@ KVQ_HOST_DEVICE void attention_chunk(int codec, KVQ_ARG(kvq_attention_args) a, K
   }
 }
 
+/// Thread tid's share (items tid, tid + nt, ...) of decoding tokens [t0, t0 + n) of kv_head kv into
+/// dst (n, head_dim + 1), one item per 32 channels of a token (attention_chunk).
+KVQ_HOST_DEVICE void attention_tile_share(int codec, KVQ_ARG(kvq_attention_args) a, KVQ_GLOBAL const int32_t* pages,
+                                          int pages_first, KVQ_GLOBAL const u8* layer, kvq_region r,
+                                          KVQ_GLOBAL const u8* res, int kv, int t0, int n, int tid, int nt,
+                                          KVQ_SHARED float* dst) {
+  const int hd = a.head_dim;
+  const int nb = (hd + 31) / 32;
+  for (int w = tid; w < n * nb; w += nt) {
+    const int i = w / nb;
+    const int c0 = 32 * (w - i * nb);
+    attention_chunk(codec, a, pages, pages_first, layer, r, res, kv, t0 + i, c0, imin(32, hd - c0),
+                    dst + i * (hd + 1) + c0);
+  }
+}
+
 /// Tokens [*lo, *hi) that query token i of a multi-token attention attends (see
 /// kvq_attention_args), before its custom mask row; empty when *lo >= *hi.
 KVQ_HOST_DEVICE void query_range(KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq, int i, KVQ_THREAD int* lo,
@@ -2627,7 +2643,8 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   // The tokens of the split, cut to the union of the rows' ranges.
   int u_lo = sq.end;
   int u_hi = sq.begin;
-  for (int i = g0 / group; i <= (g0 + nh - 1) / group; ++i) {
+)kvq_msl",
+    R"kvq_msl(  for (int i = g0 / group; i <= (g0 + nh - 1) / group; ++i) {
     int lo = 0;
     int hi = 0;
     query_range(a, sq, i, &lo, &hi);
@@ -2654,8 +2671,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   vr.quantized = sq.value_quantized;
   vr.residual_first = sq.value_residual_first;
   vr.residual0 = sq.value_residual0;
-)kvq_msl",
-    R"kvq_msl(  KVQ_GLOBAL const u8* kres = residual_ptr(key_layer, kr, kv);
+  KVQ_GLOBAL const u8* kres = residual_ptr(key_layer, kr, kv);
   KVQ_GLOBAL const u8* vres = residual_ptr(value_layer, vr, kv);
 
   const kvq_attention_smem L = kvq_attention_smem_layout(hd, T, a.heads, a.query_q8_0);
@@ -2747,14 +2763,8 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
 
     // Keys of the tile, decoded once for all heads, 32 channels of a token per thread: k_s (n, hd + 1).
     if (!int_dot) {
-      for (int k = 0; k < lanes; ++k) {
-        for (int w = th.tid(k); w < n * nb; w += nt) {
-          const int i = w / nb;
-          const int c0 = 32 * (w - i * nb);
-          attention_chunk(kcodec, a, pages, sq.pages_first, key_layer, kr, kres, kv, t0 + i, c0, imin(32, hd - c0),
-                          k_s + i * kstride + c0);
-        }
-      }
+      for (int k = 0; k < lanes; ++k)
+        attention_tile_share(kcodec, a, pages, sq.pages_first, key_layer, kr, kres, kv, t0, n, th.tid(k), nt, k_s);
       th.barrier();
     }
 
@@ -2823,12 +2833,7 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
         e_s[g * T + i] = term;
       }
       // The values of the tile into k_s (the keys' readers are done), as the keys were decoded.
-      for (int w = th.tid(k); w < n * nb; w += nt) {
-        const int i = w / nb;
-        const int c0 = 32 * (w - i * nb);
-        attention_chunk(vcodec, a, pages, sq.pages_first, value_layer, vr, vres, kv, t0 + i, c0, imin(32, hd - c0),
-                        k_s + i * kstride + c0);
-      }
+      attention_tile_share(vcodec, a, pages, sq.pages_first, value_layer, vr, vres, kv, t0, n, th.tid(k), nt, k_s);
     }
     th.barrier();
     // One thread per row: the tile's terms summed in token order, c_s the rescale of what came before.
@@ -2917,7 +2922,8 @@ KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const fl
   }
   // The sink's exp(sink - max) joins the sum, as kvq::detail::finalize_head.
   const float mm = kd::is_nan_f32(m) ? m : (sink > m ? sink : m);
-  const float corr = exp_f32(m - mm);
+)kvq_msl",
+    R"kvq_msl(  const float corr = exp_f32(m - mm);
   l = kd::madd_f32(l, corr, exp_f32(sink - mm));
   const float inv = 1.0f / l;
   out[oi] = corr == 1.0f ? o * inv : kd::mul_rn(o, corr) * inv;
@@ -2926,8 +2932,7 @@ KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const fl
 /// Thread `idx` of combine: threads (batch, rows, head_dim), channels fastest.
 KVQ_HOST_DEVICE void combine_thread(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const float* part_out,
                                     KVQ_GLOBAL const float* part_max, KVQ_GLOBAL const float* part_sum,
-)kvq_msl",
-    R"kvq_msl(                                    KVQ_GLOBAL const float* sinks, KVQ_GLOBAL float* out, i64 idx) {
+                                    KVQ_GLOBAL const float* sinks, KVQ_GLOBAL float* out, i64 idx) {
   const i64 per_seq = static_cast<i64>(a.q_heads) * a.head_dim;
   if (idx >= per_seq * a.batch) return;
   const int b = static_cast<int>(idx / per_seq);
