@@ -242,7 +242,7 @@ struct kvq_attention_smem {
   int32_t q;       ///< (heads, head_dim) query, f32 (dequantized when the query is q8_0)
   int32_t o;       ///< (heads, head_dim) unnormalised output
   int32_t k;       ///< (tile, head_dim + 1) decoded keys (rows padded: no bank conflicts)
-  int32_t p;       ///< (heads, tile) logits, then probabilities
+  int32_t p;       ///< (heads, tile) logits
   int32_t w;       ///< (heads, tile) weights of the values (probabilities, f16-rounded on request)
   int32_t e;       ///< (heads, tile) terms of the rows' sums (probabilities against the tile's max)
   int32_t m;       ///< (heads) running max

@@ -629,12 +629,10 @@ KVQ_HOST_DEVICE void encode_rows_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GL
                                     KVQ_GLOBAL const u8* input, int h, int i, int b) {
   KVQ_GLOBAL u8* row = region_ptr(layer, a.dst, h) + static_cast<i64>(a.first + i) * static_cast<i64>(a.dst.unit_bytes);
   row_ref x = batch_row(a, layer, input, h, i);
+  float rotated[KVQ_ROTATED_ROW_MAX];
   if (x.rotate != 0 && a.head_dim <= KVQ_ROTATED_ROW_MAX) {  // R x once, not per coordinate read
-    float rotated[KVQ_ROTATED_ROW_MAX];
     rotate_input_row(x, rotated);
     x.rotated = rotated;
-    encode_block(codec, x, a.head_dim, b, a.dst, row);
-    return;
   }
   encode_block(codec, x, a.head_dim, b, a.dst, row);
 }
@@ -1028,8 +1026,8 @@ KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u
 /// row's tokens or where its mask excludes, plus its additive mask) and then its term of the online
 /// softmax (as kvq::attend_range goes token by token), the values are decoded into the keys'
 /// place, one thread per row sums its terms in token order, and one thread per (row, channel)
-/// accumulates P·V. NaN/Inf as kvq::attend_range: a NaN or +Inf logit
-/// makes the row NaN, a -Inf logit weighs 0.
+/// accumulates P·V. NaN/Inf as kvq::attend_range: a NaN or +Inf logit makes the row NaN, a -Inf
+/// logit weighs 0.
 template <class Threads>
 KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq,
                                      KVQ_GLOBAL const u8* key_layer, KVQ_GLOBAL const u8* value_layer,

@@ -1606,7 +1606,7 @@ struct kvq_attention_smem {
   int32_t q;       ///< (heads, head_dim) query, f32 (dequantized when the query is q8_0)
   int32_t o;       ///< (heads, head_dim) unnormalised output
   int32_t k;       ///< (tile, head_dim + 1) decoded keys (rows padded: no bank conflicts)
-  int32_t p;       ///< (heads, tile) logits, then probabilities
+  int32_t p;       ///< (heads, tile) logits
   int32_t w;       ///< (heads, tile) weights of the values (probabilities, f16-rounded on request)
   int32_t e;       ///< (heads, tile) terms of the rows' sums (probabilities against the tile's max)
   int32_t m;       ///< (heads) running max
@@ -1615,11 +1615,11 @@ struct kvq_attention_smem {
   int32_t qd;      ///< (heads, blocks) q8_0 query scales (query_q8_0 only)
   int32_t qcodes;  ///< (heads, blocks, 32) q8_0 query codes as bytes (query_q8_0 only)
   int32_t off;     ///< (heads) logit offsets of centered keys (scale * q.mu)
-)kvq_msl",
-    R"kvq_msl(  int32_t total;   ///< floats in all, a multiple of 4 (Metal wants 16-byte multiples)
+  int32_t total;   ///< floats in all, a multiple of 4 (Metal wants 16-byte multiples)
 };
 
-/// Block-shared memory layout of the partial attention for a head_dim, tile, heads per block and
+)kvq_msl",
+    R"kvq_msl(/// Block-shared memory layout of the partial attention for a head_dim, tile, heads per block and
 /// query precision.
 KVQ_HOST_DEVICE kvq_attention_smem kvq_attention_smem_layout(int32_t head_dim, int32_t tile, int32_t heads,
                                                              int32_t query_q8_0) {
@@ -1917,9 +1917,9 @@ KVQ_HOST_DEVICE float rotated_coordinate(row_ref x, int c) {
   return kd::mul_rn(butterfly_output(leaves, n, c - o), kd::rotation_scale(n));
 }
 
+/// The butterfly stages h = 1, 2, ..., n/2 of every rotation block of a row x (head_dim), each block
 )kvq_msl",
-    R"kvq_msl(/// The butterfly stages h = 1, 2, ..., n/2 of every rotation block of a row x (head_dim), each block
-/// then times c_n, in place, as detail::rotation_butterflies; `Row` is a pointer into the memory
+    R"kvq_msl(/// then times c_n, in place, as detail::rotation_butterflies; `Row` is a pointer into the memory
 /// that holds the row (block-shared or the thread's own).
 template <class Row>
 KVQ_HOST_DEVICE void rotation_blocks(Row x, int head_dim) {
@@ -2200,11 +2200,11 @@ KVQ_HOST_DEVICE void encode_block(int codec, row_ref x, int head_dim, int b, kvq
       break;
     case kvq_codec_fp8_e5m2:
       row[b] = fp8_e5m2_encode(row_value(x, b), r.codec_scale, r.fp8_saturate != 0);
-)kvq_msl",
-    R"kvq_msl(      break;
+      break;
     case kvq_codec_mxfp4:
       encode_mxfp4(x, head_dim, b, r.codec_scale,
-                   row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_mxfp4)));
+)kvq_msl",
+    R"kvq_msl(                   row + static_cast<i64>(b) * static_cast<i64>(sizeof(kd::block_mxfp4)));
       break;
     case kvq_codec_nvfp4:
       encode_nvfp4(x, head_dim, b, r.codec_scale,
@@ -2226,12 +2226,10 @@ KVQ_HOST_DEVICE void encode_rows_at(int codec, KVQ_ARG(kvq_write_args) a, KVQ_GL
                                     KVQ_GLOBAL const u8* input, int h, int i, int b) {
   KVQ_GLOBAL u8* row = region_ptr(layer, a.dst, h) + static_cast<i64>(a.first + i) * static_cast<i64>(a.dst.unit_bytes);
   row_ref x = batch_row(a, layer, input, h, i);
+  float rotated[KVQ_ROTATED_ROW_MAX];
   if (x.rotate != 0 && a.head_dim <= KVQ_ROTATED_ROW_MAX) {  // R x once, not per coordinate read
-    float rotated[KVQ_ROTATED_ROW_MAX];
     rotate_input_row(x, rotated);
     x.rotated = rotated;
-    encode_block(codec, x, a.head_dim, b, a.dst, row);
-    return;
   }
   encode_block(codec, x, a.head_dim, b, a.dst, row);
 }
@@ -2434,8 +2432,7 @@ KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, KVQ_GL
 
 /// The leaves of R^T y over the rotation block at channel o of token t: the decoded (rotated)
 /// channels of the token.
-)kvq_msl",
-    R"kvq_msl(struct decoded_leaves {
+struct decoded_leaves {
   int codec;
   KVQ_GLOBAL const u8* reg;
   KVQ_GLOBAL const u8* res;
@@ -2443,7 +2440,8 @@ KVQ_HOST_DEVICE float decode_element(int codec, KVQ_GLOBAL const u8* reg, KVQ_GL
   int head_dim;
   int t;
   int o;
-  KVQ_HOST_DEVICE float at(int j) { return decode_element(codec, reg, res, r, head_dim, t, o + j); }
+)kvq_msl",
+    R"kvq_msl(  KVQ_HOST_DEVICE float at(int j) { return decode_element(codec, reg, res, r, head_dim, t, o + j); }
 };
 
 /// Channel c of token t of kv_head `head`, un-rotated when a.unrotate (R^T of the decoded row, as
@@ -2626,8 +2624,8 @@ KVQ_HOST_DEVICE bool is_skipped(float p) { return kd::f32_bits(p) == 0x80000000u
 /// row's tokens or where its mask excludes, plus its additive mask) and then its term of the online
 /// softmax (as kvq::attend_range goes token by token), the values are decoded into the keys'
 /// place, one thread per row sums its terms in token order, and one thread per (row, channel)
-/// accumulates P·V. NaN/Inf as kvq::attend_range: a NaN or +Inf logit
-/// makes the row NaN, a -Inf logit weighs 0.
+/// accumulates P·V. NaN/Inf as kvq::attend_range: a NaN or +Inf logit makes the row NaN, a -Inf
+/// logit weighs 0.
 template <class Threads>
 KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attention_args) a, kvq_attention_seq sq,
                                      KVQ_GLOBAL const u8* key_layer, KVQ_GLOBAL const u8* value_layer,
@@ -2643,14 +2641,14 @@ KVQ_HOST_DEVICE void attention_block(int kcodec, int vcodec, KVQ_ARG(kvq_attenti
   // The tokens of the split, cut to the union of the rows' ranges.
   int u_lo = sq.end;
   int u_hi = sq.begin;
-)kvq_msl",
-    R"kvq_msl(  for (int i = g0 / group; i <= (g0 + nh - 1) / group; ++i) {
+  for (int i = g0 / group; i <= (g0 + nh - 1) / group; ++i) {
     int lo = 0;
     int hi = 0;
     query_range(a, sq, i, &lo, &hi);
     if (lo < hi) {
       u_lo = imin(u_lo, lo);
-      u_hi = imax(u_hi, hi);
+)kvq_msl",
+    R"kvq_msl(      u_hi = imax(u_hi, hi);
     }
   }
   const int t_begin = imax(sq.begin + bx * a.split_tokens, u_lo);
@@ -2922,14 +2920,14 @@ KVQ_HOST_DEVICE void combine_at(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const fl
   }
   // The sink's exp(sink - max) joins the sum, as kvq::detail::finalize_head.
   const float mm = kd::is_nan_f32(m) ? m : (sink > m ? sink : m);
-)kvq_msl",
-    R"kvq_msl(  const float corr = exp_f32(m - mm);
+  const float corr = exp_f32(m - mm);
   l = kd::madd_f32(l, corr, exp_f32(sink - mm));
   const float inv = 1.0f / l;
   out[oi] = corr == 1.0f ? o * inv : kd::mul_rn(o, corr) * inv;
 }
 
-/// Thread `idx` of combine: threads (batch, rows, head_dim), channels fastest.
+)kvq_msl",
+    R"kvq_msl(/// Thread `idx` of combine: threads (batch, rows, head_dim), channels fastest.
 KVQ_HOST_DEVICE void combine_thread(KVQ_ARG(kvq_combine_args) a, KVQ_GLOBAL const float* part_out,
                                     KVQ_GLOBAL const float* part_max, KVQ_GLOBAL const float* part_sum,
                                     KVQ_GLOBAL const float* sinks, KVQ_GLOBAL float* out, i64 idx) {
