@@ -338,6 +338,15 @@ TEST_CASE("SIMD attention: fp8 with a scale, and E5M2 infinities", "[attention_k
   // gives NaN/Inf outputs exactly where the reference does.
   v[static_cast<std::size_t>(30 * kv + 1) * d + 3] = 1e30f;
   run(kvq::fp8_e5m2{}, 1.0f, kvq::fp8_overflow::no_saturate, "e5m2, an infinite value");
+  // E4M3 NaN codes (0x7f, 0xff) in one key tile and one value tile: those tiles take the exact
+  // decode, the others the f16 conversion; a scale whose 2^8 multiple overflows takes it everywhere.
+  v[static_cast<std::size_t>(30 * kv + 1) * d + 3] = 1.0f;
+  k[static_cast<std::size_t>(40 * kv + 1) * d + 5] = std::numeric_limits<float>::quiet_NaN();
+  v[static_cast<std::size_t>(70 * kv) * d + 9] = -std::numeric_limits<float>::quiet_NaN();
+  run(kvq::fp8_e4m3{}, 0.37f, kvq::fp8_overflow::saturate, "e4m3, NaN codes in a key and a value tile");
+  k[static_cast<std::size_t>(40 * kv + 1) * d + 5] = 1.0f;
+  v[static_cast<std::size_t>(70 * kv) * d + 9] = 1.0f;
+  run(kvq::fp8_e4m3{}, 3.0e37f, kvq::fp8_overflow::saturate, "e4m3, scale 3e37 (its 2^8 multiple overflows)");
 }
 
 namespace {

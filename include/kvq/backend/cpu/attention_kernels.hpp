@@ -295,9 +295,11 @@ struct simd_attention {
     }
   };
 
-  /// fp8 rows (E4M3 or E5M2): the code's bits placed in an f32 (exponent field at the f32
-  /// position), multiplied by 2^(127 - bias) — exact, subnormals included — then by the codec's
-  /// scale (one rounding, as the codec's decode); NaN (and E5M2 infinity) codes set apart.
+  /// fp8 rows (E4M3 or E5M2), decoded through the f16 conversion (policy e5m2_load_hw /
+  /// e4m3_load_hw_scaled) and multiplied by the codec's scale: one rounding, as the codec's decode
+  /// (NaN payloads aside). E4M3 values come times 2^-8, so the scale is taken times 2^8 (exact: the
+  /// caller checks that it stays finite); E4M3 NaN codes, which that conversion would read as
+  /// finite values, are the caller's to exclude (then fp8_rows_exact).
   template <bool E4M3>
   struct fp8_rows {
     std::uint8_t const* const* rows;
@@ -305,26 +307,37 @@ struct simd_attention {
     struct prep {
       vf scale;
     };
-    static constexpr int man = E4M3 ? 3 : 2;
-    static constexpr float rebias = E4M3 ? 0x1p120f : 0x1p112f;
+    prep prepare(int, int) const noexcept { return {V::set1(E4M3 ? scale * 256.0f : scale)}; }
+    vf load(int t, int c, prep const& pr) const noexcept {
+      if constexpr (E4M3)
+        return V::mul_c(V::e4m3_load_hw_scaled(rows[t] + c), pr.scale);
+      else
+        return V::mul_c(V::e5m2_load_hw(rows[t] + c), pr.scale);
+    }
+    float at(int t, int c) const noexcept {
+      return E4M3 ? detail::e4m3_to_f32_scaled(rows[t][c], scale) : detail::e5m2_to_f32_scaled(rows[t][c], scale);
+    }
+  };
+
+  /// E4M3 rows that may hold NaN codes (or whose scale times 2^8 overflows): the code's bits
+  /// placed in an f32 (exponent field at the f32 position), multiplied by 2^120 — exact,
+  /// subnormals included — then by the scale (one rounding); NaN codes set apart.
+  struct fp8_rows_exact {
+    std::uint8_t const* const* rows;
+    float scale;
+    struct prep {
+      vf scale;
+    };
     prep prepare(int, int) const noexcept { return {V::set1(scale)}; }
     vf load(int t, int c, prep const& pr) const noexcept {
       vi const b = V::load_u8(rows[t] + c);
       vi const mag = V::and_i(b, V::set1_i(0x7f));
       vi const sign = V::template slli<24>(V::and_i(b, V::set1_i(0x80)));
-      vf x = V::mul_c(V::from_bits(V::template slli<23 - man>(mag)), V::set1(rebias));
-      if constexpr (E4M3) {
-        x = V::select_f(V::eq_i(mag, V::set1_i(0x7f)), V::set1(std::numeric_limits<float>::quiet_NaN()), x);
-      } else {  // exponent all ones: infinity (mantissa 0) or NaN
-        vm const special = V::gt_i(mag, V::set1_i(0x7b));
-        vi const bits = V::or_i(V::set1_i(0x7f800000), V::template slli<21>(V::and_i(mag, V::set1_i(3))));
-        x = V::select_f(special, V::from_bits(bits), x);
-      }
+      vf x = V::mul_c(V::from_bits(V::template slli<20>(mag)), V::set1(0x1p120f));
+      x = V::select_f(V::eq_i(mag, V::set1_i(0x7f)), V::set1(std::numeric_limits<float>::quiet_NaN()), x);
       return V::mul_c(V::from_bits(V::or_i(V::bits(x), sign)), pr.scale);
     }
-    float at(int t, int c) const noexcept {
-      return E4M3 ? detail::e4m3_to_f32_scaled(rows[t][c], scale) : detail::e5m2_to_f32_scaled(rows[t][c], scale);
-    }
+    float at(int t, int c) const noexcept { return detail::e4m3_to_f32_scaled(rows[t][c], scale); }
   };
 
   /// KIVI value rows with groups of 32 channels: code * scale + min per group.
@@ -436,8 +449,15 @@ struct simd_attention {
         f(q4_0_rows{rows});
     } else if constexpr (std::is_same_v<C, int8_sym>) {
       f(int8_rows{tr.rows});
-    } else if constexpr (std::is_same_v<C, fp8_e4m3> || std::is_same_v<C, fp8_e5m2>) {
-      f(fp8_rows<std::is_same_v<C, fp8_e4m3>>{tr.rows, p.scale});
+    } else if constexpr (std::is_same_v<C, fp8_e5m2>) {
+      f(fp8_rows<false>{tr.rows, p.scale});
+    } else if constexpr (std::is_same_v<C, fp8_e4m3>) {
+      // The f16 conversion unless the tile holds a NaN code or the scale times 2^8 overflows.
+      if (std::isfinite(p.scale * 256.0f) &&
+          !V::any_magnitude_above(row0, static_cast<std::size_t>(m) * src.unit_bytes, 0x7e))
+        f(fp8_rows<true>{tr.rows, p.scale});
+      else
+        f(fp8_rows_exact{tr.rows, p.scale});
     } else if constexpr (simd::kivi_value_traits<C>::value) {
       if constexpr (C::group == 32 && 32 % W == 0)
         f(kivi_value_rows<C::bits>{tr.rows, C::group_channels(d)});

@@ -175,6 +175,30 @@ struct ops {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
   }
 
+  // fp8 through the f16 conversion: an E5M2 code is the high byte of the f16 of its value; an E4M3
+  // code's magnitude shifted into an f16's exponent and mantissa fields is its value times 2^-8.
+  /// The values of the W E5M2 codes at p (exact; NaN payloads aside).
+  static vf e5m2_load_hw(std::uint8_t const* p) noexcept {
+    __m256i const w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+  }
+  /// The values times 2^-8 of the W E4M3 codes at p, none of them NaN (exact).
+  static vf e4m3_load_hw_scaled(std::uint8_t const* p) noexcept {
+    __m256i const w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xbf80))));
+  }
+  /// True when one of the n bytes at p has a magnitude (low 7 bits) above `limit` (< 0x7f): an
+  /// fp8 NaN code for limit 0x7e (E4M3) or 0x7c (E5M2).
+  static bool any_magnitude_above(std::uint8_t const* p, std::size_t n, std::uint8_t limit) noexcept {
+    __m512i const low7 = _mm512_set1_epi8(0x7f), lim = _mm512_set1_epi8(static_cast<char>(limit));
+    __mmask64 hit = 0;
+    std::size_t i = 0;
+    for (; i + 64 <= n; i += 64) hit |= _mm512_cmpgt_epu8_mask(_mm512_and_si512(_mm512_loadu_si512(p + i), low7), lim);
+    bool any = hit != 0;
+    for (; i < n; ++i) any = any || (p[i] & 0x7f) > limit;
+    return any;
+  }
+
   // Packed b-bit codes, LSB first: 16 codes -> 2 * B bytes (B = 2, 3, 4, 8).
   template <int B>
   static void store_codes(std::uint8_t* p, vi q) noexcept {

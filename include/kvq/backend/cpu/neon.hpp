@@ -141,6 +141,30 @@ struct ops {
   /// Exact except that signalling NaNs come back quieted (simd_codecs repairs them).
   static vf f16_load_hw(std::uint16_t const* p) noexcept { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
 
+  // fp8 through the f16 conversion: an E5M2 code is the high byte of the f16 of its value; an E4M3
+  // code's magnitude shifted into an f16's exponent and mantissa fields is its value times 2^-8.
+  /// The values of the W E5M2 codes at p (exact; NaN payloads aside).
+  static vf e5m2_load_hw(std::uint8_t const* p) noexcept {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(vshll_n_u8(load_4_bytes(p), 8))));
+  }
+  /// The values times 2^-8 of the W E4M3 codes at p, none of them NaN (exact).
+  static vf e4m3_load_hw_scaled(std::uint8_t const* p) noexcept {
+    int16x4_t const w = vget_low_s16(vmovl_s8(vreinterpret_s8_u8(load_4_bytes(p))));
+    uint16x4_t const h = vand_u16(vreinterpret_u16_s16(vshl_n_s16(w, 7)), vdup_n_u16(0xbf80));
+    return vcvt_f32_f16(vreinterpret_f16_u16(h));
+  }
+  /// True when one of the n bytes at p has a magnitude (low 7 bits) above `limit` (< 0x7f): an
+  /// fp8 NaN code for limit 0x7e (E4M3) or 0x7c (E5M2).
+  static bool any_magnitude_above(std::uint8_t const* p, std::size_t n, std::uint8_t limit) noexcept {
+    uint8x16_t hit = vdupq_n_u8(0);
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      hit = vorrq_u8(hit, vcgtq_u8(vandq_u8(vld1q_u8(p + i), vdupq_n_u8(0x7f)), vdupq_n_u8(limit)));
+    bool any = vmaxvq_u8(hit) != 0;
+    for (; i < n; ++i) any = any || (p[i] & 0x7f) > limit;
+    return any;
+  }
+
   // Packed b-bit codes, LSB first: 4 codes -> B / 2 bytes.
   template <int B>
   static void store_codes(std::uint8_t* p, vi q) noexcept {
