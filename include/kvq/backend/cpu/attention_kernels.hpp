@@ -319,9 +319,8 @@ struct simd_attention {
     }
   };
 
-  /// E4M3 rows that may hold NaN codes (or whose scale times 2^8 overflows): the code's bits
-  /// placed in an f32 (exponent field at the f32 position), multiplied by 2^120 — exact,
-  /// subnormals included — then by the scale (one rounding); NaN codes set apart.
+  /// E4M3 rows that may hold NaN codes (or whose scale times 2^8 overflows): the codecs' exact
+  /// vector decode (simd_codecs::fp8_values), then the scale (one rounding).
   struct fp8_rows_exact {
     std::uint8_t const* const* rows;
     float scale;
@@ -330,12 +329,7 @@ struct simd_attention {
     };
     prep prepare(int, int) const noexcept { return {V::set1(scale)}; }
     vf load(int t, int c, prep const& pr) const noexcept {
-      vi const b = V::load_u8(rows[t] + c);
-      vi const mag = V::and_i(b, V::set1_i(0x7f));
-      vi const sign = V::template slli<24>(V::and_i(b, V::set1_i(0x80)));
-      vf x = V::mul_c(V::from_bits(V::template slli<20>(mag)), V::set1(0x1p120f));
-      x = V::select_f(V::eq_i(mag, V::set1_i(0x7f)), V::set1(std::numeric_limits<float>::quiet_NaN()), x);
-      return V::mul_c(V::from_bits(V::or_i(V::bits(x), sign)), pr.scale);
+      return V::mul_c(simd_codecs<V>::template fp8_values<true>(V::load_u8(rows[t] + c)), pr.scale);
     }
     float at(int t, int c) const noexcept { return detail::e4m3_to_f32_scaled(rows[t][c], scale); }
   };
