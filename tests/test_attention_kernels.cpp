@@ -25,6 +25,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -288,6 +289,70 @@ TEST_CASE("SIMD attention: q8_0-query logits of integer-dot keys equal the refer
   check(kvq::q8_0{}, "q8_0");
   check(kvq::q4_0{}, "q4_0");
   check(kvq::int8_sym{}, "int8");
+}
+
+TEST_CASE("SIMD attention: batched integer key dots equal integer_dot_row bit for bit", "[attention_kernels]") {
+  // Random key rows (every nibble and byte value, -128 included; f16 scales over a wide range)
+  // against random q8_0 query blocks: every logit of every tile position, head count and kernel.
+  std::mt19937 gen(2024);
+  auto f16_scale = [&] {  // finite, normal or subnormal, either sign
+    std::uint16_t const exponent = static_cast<std::uint16_t>(gen() % 28u);
+    return static_cast<std::uint16_t>((gen() & 0x8000u) | (exponent << 10) | (gen() & 0x3ffu));
+  };
+  auto check = [&](auto tag, char const* name, int d) {
+    using C = decltype(tag);
+    constexpr int T = kvq::cpu_kernels::attention_kernel_tile;
+    int const nb = (d + 31) / 32;
+    std::size_t const row_bytes = C::geometry(d).bytes();
+    for (int group : {1, 2, 3, 4, 5, 8}) {
+      std::vector<std::uint8_t> rows(row_bytes * T);
+      for (auto& x : rows) x = static_cast<std::uint8_t>(gen());
+      for (int t = 0; t < T; ++t) {
+        std::uint8_t* row = rows.data() + row_bytes * static_cast<std::size_t>(t);
+        if constexpr (std::is_same_v<C, kvq::int8_sym>) {
+          float const scale = std::ldexp(static_cast<float>(gen() % 1000u + 1u), -static_cast<int>(gen() % 20u));
+          std::memcpy(row, &scale, 4);
+        } else {
+          std::size_t const bb = std::is_same_v<C, kvq::q4_0> ? 18 : 34;
+          for (int b = 0; b < nb; ++b) {
+            std::uint16_t const sc = f16_scale();
+            std::memcpy(row + bb * static_cast<std::size_t>(b), &sc, 2);
+          }
+        }
+      }
+      std::vector<kvq::detail::block_q8_0> qb(static_cast<std::size_t>(group * nb));
+      for (auto& blk : qb) {
+        blk.d = f16_scale();
+        for (auto& c : blk.qs) c = static_cast<std::int8_t>(static_cast<int>(gen() % 255u) - 127);
+      }
+      std::vector<float> q_scale(qb.size());
+      std::vector<std::int32_t> q_sum(qb.size());
+      for (int m : {1, 5, 16, 17, 31, 32}) {
+        std::uint8_t const* ptrs[T];
+        for (int t = 0; t < T; ++t) ptrs[t] = rows.data() + row_bytes * static_cast<std::size_t>(t);
+        for_each_kernel([&](auto kernel, char const* kname) {
+          using K = decltype(kernel);
+          std::vector<float> logits(static_cast<std::size_t>(group * T), -1.0f);
+          K::query_block_terms(qb.data(), qb.size(), q_scale.data(), q_sum.data());
+          K::template integer_logits<C>(rows.data(), row_bytes, m, qb.data(), q_scale.data(), q_sum.data(), nb, group,
+                                        logits.data());
+          for (int h = 0; h < group; ++h)
+            for (int t = 0; t < m; ++t) {
+              float const ref = kvq::detail::integer_dot_row<C>(ptrs[t], d, qb.data() + h * nb, nb);
+              float const got = logits[static_cast<std::size_t>(h * T + t)];
+              INFO(name << ", head_dim " << d << ", group " << group << ", m " << m << ", head " << h << ", token " << t
+                        << ", kernel " << kname << ": " << got << " vs " << ref);
+              CHECK(std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(ref));
+            }
+        });
+      }
+    }
+  };
+  for (int d : {32, 64, 128, 80}) {
+    check(kvq::q4_0{}, "q4_0", d);
+    check(kvq::q8_0{}, "q8_0", d);
+    if (d % 32 == 0) check(kvq::int8_sym{}, "int8", d);
+  }
 }
 
 TEST_CASE("SIMD attention: NaN and infinite logits as the reference", "[attention_kernels]") {

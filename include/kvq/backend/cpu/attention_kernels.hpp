@@ -12,8 +12,9 @@
 //     sum_c q[c] * min_c, so the query is scaled per channel once per tile and multiplied straight
 //     into the codes;
 //   * with a q8_0 query, q8_0 / q4_0 / int8 keys use exact integer block dot products (VNNI where
-//     the flags allow), combined in the reference's order, so those logits equal the scalar
-//     reference bit for bit;
+//     the flags allow), W tokens at a time: each token's block sum lands in one lane (transposed
+//     reduction), and the lanes take the reference's float steps block by block, so those logits
+//     equal the scalar reference bit for bit;
 //   * softmax is updated once per tile per head (vector exp); values are decoded into an f32 tile
 //     and accumulated with FMAs; everything accumulates in fp32.
 // Results match attention.hpp's scalar reference within fp32 rounding (FMA contraction, a
@@ -145,6 +146,8 @@ struct attention_scratch {
   detail::vector<float> special_values;  // (tile, head_dim)
   detail::vector<char> special;          // (group)
   detail::vector<float> dense;           // (tile, head_dim): values decoded once for many rows
+  detail::vector<float> q_scale;         // (group, blocks): a q8_0 query's block scales as f32
+  detail::vector<std::int32_t> q_sum;    // (group, blocks): its block code sums
   void reserve(int head_dim, int group) {
     dense.resize(static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim));
     special_values.resize(static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim));
@@ -671,6 +674,126 @@ struct simd_attention {
     return sum;
   }
 
+  /// True when key codec KC's q8_0-query dots run W tokens at a time (integer_logits).
+  template <class KC>
+  static bool batched_integer_dot(int d) noexcept {
+    if constexpr (std::is_same_v<KC, q4_0> || std::is_same_v<KC, q8_0>)
+      return true;
+    else
+      return d % 32 == 0;  // int8: whole blocks of codes
+  }
+
+  /// The f32 scales (converted as integer_dot converts them) and code sums of n q8_0 query blocks.
+  static void query_block_terms(detail::block_q8_0 const* qb, std::size_t n, float* q_scale,
+                                std::int32_t* q_sum) noexcept {
+    for (std::size_t b = 0; b < n; ++b) {
+      q_scale[b] = V::f16_scalar_hw(qb[b].d);
+      std::int32_t sum = 0;
+      for (std::int8_t c : qb[b].qs) sum += c;
+      q_sum[b] = sum;
+    }
+  }
+
+  /// logits[(h0 + i) * T + j] = integer_dot<KC>(row j, head h0 + i) for i < NH and j < m, row j
+  /// at row0 + j * stride: the exact integer block dots of W tokens in the lanes of one vector
+  /// (policy nibble_dots / byte_dots), then the reference's float arithmetic lane-wise, block by
+  /// block in order, so each logit equals integer_dot's bit for bit. q_scale / q_sum: the query
+  /// blocks' f32 scales and code sums, (group, nb).
+  template <class KC, int NH>
+  static void integer_logits_heads(std::uint8_t const* row0, std::size_t stride, int m, detail::block_q8_0 const* qb,
+                                   float const* q_scale, std::int32_t const* q_sum, int nb, int h0,
+                                   float* logits) noexcept {
+    constexpr bool q4 = std::is_same_v<KC, q4_0>;
+    constexpr bool int8 = std::is_same_v<KC, int8_sym>;
+    constexpr std::size_t bb = q4 ? sizeof(detail::block_q4_0) : sizeof(detail::block_q8_0);
+    // The f16 scales (or int8's f32 row scales) at byte `off` of W rows: one gather for whole
+    // groups; a group's last rows repeated for a partial one (never read past row m - 1).
+    auto const scales_at = [&](std::uint8_t const* const* tok, bool whole, std::size_t off) KVQ_CPU_ALWAYS_INLINE {
+      if (whole) return V::gather_u32(tok[0] + off, static_cast<int>(stride));
+      alignas(64) std::int32_t w[std::size_t{W}];
+      for (int j = 0; j < W; ++j) std::memcpy(w + j, tok[j] + off, 4);
+      return V::load_i(w);
+    };
+    for (int t0 = 0; t0 < m; t0 += W) {
+      int const nt = std::min(W, m - t0);
+#if defined(__GNUC__)
+      // The group's rows asked for in memory order, which the loads below (block b of every row,
+      // then block b + 1) do not follow.
+      for (std::uint8_t const *pb = row0 + stride * static_cast<std::size_t>(t0),
+                              *pe = pb + stride * static_cast<std::size_t>(nt);
+           pb < pe; pb += 64)
+        __builtin_prefetch(pb, 0, 3);
+#endif
+      std::uint8_t const* tok[std::size_t{W}];
+      for (int j = 0; j < W; ++j) tok[j] = row0 + stride * static_cast<std::size_t>(t0 + std::min(j, nt - 1));
+      vf acc[std::size_t{NH}];
+      for (int i = 0; i < NH; ++i) acc[i] = V::set1(0.0f);
+      for (int b = 0; b < nb; ++b) {
+        std::int8_t const* qc[std::size_t{NH}];
+        for (int i = 0; i < NH; ++i) qc[i] = qb[static_cast<std::ptrdiff_t>(h0 + i) * nb + b].qs;
+        vi sums[std::size_t{NH}];
+        vf dk = V::set1(1.0f);
+        if constexpr (int8) {
+          V::template byte_dots<NH>(tok, detail::int8_row_header_bytes + 32 * static_cast<std::size_t>(b), qc, sums);
+        } else {
+          dk = V::f16_low_hw(scales_at(tok, nt == W, bb * static_cast<std::size_t>(b)));
+          if constexpr (q4)
+            V::template nibble_dots<NH>(tok, bb * static_cast<std::size_t>(b) + 2, qc, sums);
+          else
+            V::template byte_dots<NH>(tok, bb * static_cast<std::size_t>(b) + 2, qc, sums);
+        }
+        for (int i = 0; i < NH; ++i) {
+          std::ptrdiff_t const qi = static_cast<std::ptrdiff_t>(h0 + i) * nb + b;
+          vf const dq = V::set1(q_scale[qi]);
+          if constexpr (q4) {  // ((sumi * dk) * dq), sumi = sum(nibble * q) - 8 * sum(q)
+            vf const x = V::cvt_f(V::sub_i(sums[i], V::set1_i(8 * q_sum[qi])));
+            acc[i] = V::add(acc[i], V::mul(V::mul(x, dk), dq));
+          } else if constexpr (int8) {  // (sumi * dq), the row's scale after the sum
+            acc[i] = V::add(acc[i], V::mul(V::cvt_f(sums[i]), dq));
+          } else {  // sumi * (dk * dq)
+            acc[i] = V::add(acc[i], V::mul(V::cvt_f(sums[i]), V::mul(dk, dq)));
+          }
+        }
+      }
+      if constexpr (int8) {
+        vf const scale = V::from_bits(scales_at(tok, nt == W, 0));
+        for (int i = 0; i < NH; ++i) acc[i] = V::mul(acc[i], scale);
+      }
+      for (int i = 0; i < NH; ++i) {
+        float* const li = logits + static_cast<std::ptrdiff_t>(h0 + i) * T + t0;
+        if (nt == W) {
+          V::store(li, acc[i]);
+        } else {
+          alignas(64) float tmp[std::size_t{W}];
+          V::store(tmp, acc[i]);
+          std::memcpy(li, tmp, static_cast<std::size_t>(nt) * 4);
+        }
+      }
+    }
+  }
+
+  /// integer_logits_heads for every head of the group, four at a time.
+  template <class KC>
+  static void integer_logits(std::uint8_t const* row0, std::size_t stride, int m, detail::block_q8_0 const* qb,
+                             float const* q_scale, std::int32_t const* q_sum, int nb, int group,
+                             float* logits) noexcept {
+    int h = 0;
+    for (; h + 4 <= group; h += 4) integer_logits_heads<KC, 4>(row0, stride, m, qb, q_scale, q_sum, nb, h, logits);
+    switch (group - h) {
+      case 3:
+        integer_logits_heads<KC, 3>(row0, stride, m, qb, q_scale, q_sum, nb, h, logits);
+        break;
+      case 2:
+        integer_logits_heads<KC, 2>(row0, stride, m, qb, q_scale, q_sum, nb, h, logits);
+        break;
+      case 1:
+        integer_logits_heads<KC, 1>(row0, stride, m, qb, q_scale, q_sum, nb, h, logits);
+        break;
+      default:
+        break;
+    }
+  }
+
   // ---------------------------------------------------------------------------------------------
   // q . k for KIVI key tiles (query scaled per channel)
 
@@ -771,6 +894,12 @@ struct simd_attention {
           if (qb != nullptr) {
             std::uint8_t const* row0 = k.units + static_cast<std::size_t>(t) * k.unit_bytes;
             int const nb = (d + 31) / 32;
+            if (batched_integer_dot<KC>(d)) {
+              integer_logits<KC>(row0, k.unit_bytes, m, qb, s.q_scale.data(), s.q_sum.data(), nb, call.group,
+                                 logits + i);
+              i += m;
+              continue;
+            }
             for (int h = 0; h < call.group; ++h)
               for (int r = 0; r < m; ++r)
                 logits[h * T + i + r] = integer_dot<KC>(row0 + static_cast<std::size_t>(r) * k.unit_bytes,
@@ -1026,6 +1155,16 @@ struct simd_attention {
     if (s.saved.size() < static_cast<std::size_t>(group) * static_cast<std::size_t>(d))
       s.saved.resize(static_cast<std::size_t>(group) * static_cast<std::size_t>(d));
     if (s.special.size() < static_cast<std::size_t>(group)) s.special.resize(static_cast<std::size_t>(group));
+    if constexpr (integer_dot_key<KC>) {
+      if (qb != nullptr) {
+        std::size_t const nqb = static_cast<std::size_t>(group) * static_cast<std::size_t>((d + 31) / 32);
+        if (s.q_scale.size() < nqb) {
+          s.q_scale.resize(nqb);
+          s.q_sum.resize(nqb);
+        }
+        query_block_terms(qb, nqb, s.q_scale.data(), s.q_sum.data());
+      }
+    }
     for (std::int64_t t0 = begin; t0 < end; t0 += T) {
       std::int64_t const tb = t0;
       int const n = static_cast<int>(std::min(end, t0 + T) - tb);

@@ -152,6 +152,11 @@ struct ops {
   static vf f16_load_hw(std::uint16_t const* p) noexcept {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
   }
+  /// The f16 in the low 16 bits of each lane, as f32 (hardware conversion).
+  static vf f16_low_hw(vi x) noexcept {
+    __m256i const p = _mm256_packus_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0xffff)), _mm256_setzero_si256());
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08)));
+  }
 
   // fp8 through the f16 conversion: an E5M2 code is the high byte of the f16 of its value; an E4M3
   // code's magnitude shifted into an f16's exponent and mantissa fields is its value times 2^-8.
@@ -358,6 +363,63 @@ struct ops {
     __m128i const m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi8(_mm_and_si128(b, m), eight));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m), eight));
+  }
+
+  // Batched integer block dots (attention_kernels.hpp integer_logits): lane j of out[h] is one
+  // token's dot with query head h's 32 codes q[h], exact.
+
+  /// Per 128-bit lane g, [a, b, c, d] = the sums of the four 32-bit lanes of lane g of a, b, c, d.
+  static vi sum_quads(vi a, vi b, vi c, vi d) noexcept {
+    vi const ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+    vi const cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+  }
+  /// Lane j: sum over i < 32 of nibble i * q[h][i], the 32 unsigned nibbles of the 16 bytes at
+  /// rows[j] + off (low nibbles are codes 0-15, high nibbles 16-31), for W tokens.
+  template <int NH>
+  static void nibble_dots(std::uint8_t const* const* rows, std::size_t off, std::int8_t const* const* q,
+                          vi* out) noexcept {
+    __m256i ql[std::size_t{NH}], qh[std::size_t{NH}], acc[std::size_t{NH}][4];
+    for (int h = 0; h < NH; ++h) {
+      ql[h] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<__m128i const*>(q[h])));
+      qh[h] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<__m128i const*>(q[h] + 16)));
+    }
+    __m256i const m = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int k = 0; k < 4; ++k) {  // tokens 2k, 2k + 1, one per 128-bit lane
+      __m256i const x = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<__m128i const*>(rows[2 * k] + off))),
+          _mm_loadu_si128(reinterpret_cast<__m128i const*>(rows[2 * k + 1] + off)), 1);
+      __m256i const lo = _mm256_and_si256(x, m), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m);
+      // Both products in 16 bits (|sum| <= 4 * 15 * 127), then pairs to 32.
+      for (int h = 0; h < NH; ++h)
+        acc[h][k] =
+            _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ql[h]), _mm256_maddubs_epi16(hi, qh[h])), ones);
+    }
+    // Lane g's word k of sum_quads is token 2k + g: back to token order.
+    __m256i const order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int h = 0; h < NH; ++h)
+      out[h] = _mm256_permutevar8x32_epi32(sum_quads(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), order);
+  }
+  /// Lane j: sum over i < 32 of code i * q[h][i], the 32 signed codes at rows[j] + off (q's codes
+  /// in [-127, 127]), for W tokens.
+  template <int NH>
+  static void byte_dots(std::uint8_t const* const* rows, std::size_t off, std::int8_t const* const* q,
+                        vi* out) noexcept {
+    __m256i qq[std::size_t{NH}], acc[std::size_t{NH}][8];
+    for (int h = 0; h < NH; ++h) qq[h] = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(q[h]));
+    __m256i const ones = _mm256_set1_epi16(1);
+    for (int k = 0; k < 8; ++k) {  // token k
+      __m256i const x = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(rows[k] + off));
+      __m256i const a = _mm256_abs_epi8(x);
+      // |code| times q with code's sign: |pair sum| <= 2 * 128 * 127 fits 16 bits.
+      for (int h = 0; h < NH; ++h)
+        acc[h][k] = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(qq[h], x)), ones);
+    }
+    for (int h = 0; h < NH; ++h) {
+      __m256i const r0 = sum_quads(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+      __m256i const r1 = sum_quads(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
+      out[h] = _mm256_add_epi32(_mm256_permute2x128_si256(r0, r1, 0x20), _mm256_permute2x128_si256(r0, r1, 0x31));
+    }
   }
 };
 

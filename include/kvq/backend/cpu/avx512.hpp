@@ -174,6 +174,8 @@ struct ops {
   static vf f16_load_hw(std::uint16_t const* p) noexcept {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
   }
+  /// The f16 in the low 16 bits of each lane, as f32 (hardware conversion).
+  static vf f16_low_hw(vi x) noexcept { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)); }
 
   // fp8 through the f16 conversion: an E5M2 code is the high byte of the f16 of its value; an E4M3
   // code's magnitude shifted into an f16's exponent and mantissa fields is its value times 2^-8.
@@ -394,6 +396,98 @@ struct ops {
     __m128i const m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi8(_mm_and_si128(b, m), eight));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m), eight));
+  }
+
+  // Batched integer block dots (attention_kernels.hpp integer_logits): lane j of out[h] is one
+  // token's dot with query head h's 32 codes q[h], exact.
+
+  /// Per 128-bit lane g, [a, b, c, d] = the sums of the four 32-bit lanes of lane g of a, b, c, d.
+  static vi sum_quads(vi a, vi b, vi c, vi d) noexcept {
+    vi const ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    vi const cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  }
+  /// Sum of u8 x s8 products of a and b, four per 32-bit lane, added to acc (exact).
+  static vi dot_u8s8(vi acc, vi a, vi b) noexcept {
+#  if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, a, b);
+#  else  // a's bytes are nibbles here (a pair of products fits 16 bits)
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
+#  endif
+  }
+  /// Lane j: sum over i < 32 of nibble i * q[h][i], the 32 unsigned nibbles of the 16 bytes at
+  /// rows[j] + off (low nibbles are codes 0-15, high nibbles 16-31), for W tokens.
+  template <int NH>
+  static void nibble_dots(std::uint8_t const* const* rows, std::size_t off, std::int8_t const* const* q,
+                          vi* out) noexcept {
+    __m512i ql[std::size_t{NH}], qh[std::size_t{NH}], acc[std::size_t{NH}][4];
+    for (int h = 0; h < NH; ++h) {
+      ql[h] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<__m128i const*>(q[h])));
+      qh[h] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<__m128i const*>(q[h] + 16)));
+    }
+    __m512i const m = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k) {  // tokens 4k .. 4k + 3, one per 128-bit lane
+      auto const at = [&](int j) { return _mm_loadu_si128(reinterpret_cast<__m128i const*>(rows[4 * k + j] + off)); };
+      __m512i x = _mm512_castsi128_si512(at(0));
+      x = _mm512_inserti32x4(x, at(1), 1);
+      x = _mm512_inserti32x4(x, at(2), 2);
+      x = _mm512_inserti32x4(x, at(3), 3);
+      __m512i const lo = _mm512_and_si512(x, m), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m);
+#  if defined(__AVX512VNNI__)
+      for (int h = 0; h < NH; ++h) acc[h][k] = dot_u8s8(dot_u8s8(zero, lo, ql[h]), hi, qh[h]);
+#  else  // both products in 16 bits (|sum| <= 4 * 15 * 127), then pairs to 32
+      for (int h = 0; h < NH; ++h)
+        acc[h][k] = _mm512_madd_epi16(
+            _mm512_add_epi16(_mm512_maddubs_epi16(lo, ql[h]), _mm512_maddubs_epi16(hi, qh[h])), _mm512_set1_epi16(1));
+      (void)zero;
+#  endif
+    }
+    // Lane g's word k of sum_quads is token 4k + g: back to token order.
+    __m512i const order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int h = 0; h < NH; ++h)
+      out[h] = _mm512_permutexvar_epi32(order, sum_quads(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
+  }
+  /// Lane j: sum over i < 32 of code i * q[h][i], the 32 signed codes at rows[j] + off (q's codes
+  /// in [-127, 127]), for W tokens.
+  template <int NH>
+  static void byte_dots(std::uint8_t const* const* rows, std::size_t off, std::int8_t const* const* q,
+                        vi* out) noexcept {
+    __m512i qq[std::size_t{NH}], acc[std::size_t{NH}][8];
+    for (int h = 0; h < NH; ++h)
+      qq[h] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(q[h])));
+#  if defined(__AVX512VNNI__)
+    // (code + 128) as unsigned bytes, less 128 times the query's sums (the start of each lane).
+    __m512i start[std::size_t{NH}];
+    for (int h = 0; h < NH; ++h)
+      start[h] = _mm512_sub_epi32(
+          _mm512_setzero_si512(),
+          _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), qq[h]), 7));
+#  endif
+    for (int k = 0; k < 8; ++k) {  // tokens 2k, 2k + 1, one per 256-bit half
+      __m512i const x = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(rows[2 * k] + off))),
+          _mm256_loadu_si256(reinterpret_cast<__m256i const*>(rows[2 * k + 1] + off)), 1);
+#  if defined(__AVX512VNNI__)
+      __m512i const u = _mm512_xor_si512(x, _mm512_set1_epi8(-128));
+      for (int h = 0; h < NH; ++h) acc[h][k] = _mm512_dpbusd_epi32(start[h], u, qq[h]);
+#  else  // |code| times q with code's sign: |pair sum| <= 2 * 128 * 127 fits 16 bits
+      __m512i const a = _mm512_abs_epi8(x);
+      __mmask64 const neg = _mm512_movepi8_mask(x);
+      for (int h = 0; h < NH; ++h)
+        acc[h][k] =
+            _mm512_madd_epi16(_mm512_maddubs_epi16(a, _mm512_mask_sub_epi8(qq[h], neg, _mm512_setzero_si512(), qq[h])),
+                              _mm512_set1_epi16(1));
+#  endif
+    }
+    // After sum_quads, lane g of r0 / r1 holds tokens 2k + (g >= 2) of pairs k = 0..3 / 4..7 per
+    // lane half; the halves' sums then hold tokens (0 2 4 6) (1 3 5 7) (8 ..) (9 ..).
+    __m512i const order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    for (int h = 0; h < NH; ++h) {
+      __m512i const r0 = sum_quads(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+      __m512i const r1 = sum_quads(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
+      __m512i const s = _mm512_add_epi32(_mm512_shuffle_i32x4(r0, r1, 0x88), _mm512_shuffle_i32x4(r0, r1, 0xdd));
+      out[h] = _mm512_permutexvar_epi32(order, s);
+    }
   }
 };
 

@@ -140,6 +140,10 @@ struct ops {
   }
   /// Exact except that signalling NaNs come back quieted (simd_codecs repairs them).
   static vf f16_load_hw(std::uint16_t const* p) noexcept { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+  /// The f16 in the low 16 bits of each lane, as f32 (hardware conversion).
+  static vf f16_low_hw(vi x) noexcept {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vmovn_u32(vreinterpretq_u32_s32(x))));
+  }
 
   // fp8 through the f16 conversion: an E5M2 code is the high byte of the f16 of its value; an E4M3
   // code's magnitude shifted into an f16's exponent and mantissa fields is its value times 2^-8.
@@ -300,6 +304,50 @@ struct ops {
     int8x16_t const eight = vdupq_n_s8(8);
     vst1q_s8(out, vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15))), eight));
     vst1q_s8(out + 16, vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), eight));
+  }
+
+  // Batched integer block dots (attention_kernels.hpp integer_logits): lane j of out[h] is one
+  // token's dot with query head h's 32 codes q[h], exact.
+
+  /// Four 32-bit partial sums of a . b over 16 signed bytes, added to acc.
+  static int32x4_t dot16(int32x4_t acc, int8x16_t a, int8x16_t b) noexcept {
+#  if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(acc, a, b);
+#  else
+    acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+    return vpadalq_s16(acc, vmull_high_s8(a, b));
+#  endif
+  }
+  /// Lane j: sum over i < 32 of nibble i * q[h][i], the 32 unsigned nibbles of the 16 bytes at
+  /// rows[j] + off (low nibbles are codes 0-15, high nibbles 16-31), for W tokens.
+  template <int NH>
+  static void nibble_dots(std::uint8_t const* const* rows, std::size_t off, std::int8_t const* const* q,
+                          vi* out) noexcept {
+    int32x4_t acc[std::size_t{NH}][4];
+    for (int j = 0; j < 4; ++j) {
+      uint8x16_t const x = vld1q_u8(rows[j] + off);
+      int8x16_t const lo = vreinterpretq_s8_u8(vandq_u8(x, vdupq_n_u8(15)));
+      int8x16_t const hi = vreinterpretq_s8_u8(vshrq_n_u8(x, 4));
+      for (int h = 0; h < NH; ++h)
+        acc[h][j] = dot16(dot16(vdupq_n_s32(0), lo, vld1q_s8(q[h])), hi, vld1q_s8(q[h] + 16));
+    }
+    for (int h = 0; h < NH; ++h)
+      out[h] = vpaddq_s32(vpaddq_s32(acc[h][0], acc[h][1]), vpaddq_s32(acc[h][2], acc[h][3]));
+  }
+  /// Lane j: sum over i < 32 of code i * q[h][i], the 32 signed codes at rows[j] + off, for W
+  /// tokens.
+  template <int NH>
+  static void byte_dots(std::uint8_t const* const* rows, std::size_t off, std::int8_t const* const* q,
+                        vi* out) noexcept {
+    int32x4_t acc[std::size_t{NH}][4];
+    for (int j = 0; j < 4; ++j) {
+      int8x16_t const a0 = vld1q_s8(reinterpret_cast<std::int8_t const*>(rows[j] + off));
+      int8x16_t const a1 = vld1q_s8(reinterpret_cast<std::int8_t const*>(rows[j] + off + 16));
+      for (int h = 0; h < NH; ++h)
+        acc[h][j] = dot16(dot16(vdupq_n_s32(0), a0, vld1q_s8(q[h])), a1, vld1q_s8(q[h] + 16));
+    }
+    for (int h = 0; h < NH; ++h)
+      out[h] = vpaddq_s32(vpaddq_s32(acc[h][0], acc[h][1]), vpaddq_s32(acc[h][2], acc[h][3]));
   }
 };
 
