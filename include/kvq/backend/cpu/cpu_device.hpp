@@ -115,6 +115,21 @@ class cpu_device {
       }
       return {};
     }
+    if constexpr (C::layout == codec_layout::row) {
+      if (s.kernel == write_kernel::encode_rows && a.src.from_residual == 0) {
+        // Token by token, the kv_heads of a token in one call (up to a chunk of them): the input is
+        // read in memory order (token-major), which measured 1.4-1.9x faster than chunks of
+        // tokens head by head, and a call's rows fill whole batches of the kernels.
+        for (int i = 0; i < a.count; ++i)
+          for (int h0 = 0; h0 < a.kv_heads; h0 += write_scratch::chunk) {
+            int const nh = std::min(write_scratch::chunk, a.kv_heads - h0);
+            auto const [rows, stride] = token_rows_of(a, layer, input, i, h0, nh, scratch, rot);
+            cpu_kernels::encode_rows<C>(rows, stride, nh, d, unit(layer, a, h0, a.first + i), a.dst.head_stride,
+                                        params);
+          }
+        return {};
+      }
+    }
     for (int i0 = 0; i0 < a.count; i0 += write_scratch::chunk) {
       int const n = std::min(write_scratch::chunk, a.count - i0);
       for (int h = 0; h < a.kv_heads; ++h) {
@@ -238,6 +253,23 @@ class cpu_device {
     alignas(64) float stack_[stack_floats];
     detail::vector<float> heap_;
   };
+
+  /// Batch row i of kv_heads [h0, h0 + n) as f32 rows (pointer, stride in floats): the f32 input
+  /// itself when the rows need nothing done to them, else `gather`ed into the scratch (n <= its
+  /// rows; input rows only, i >= from_residual).
+  static auto token_rows_of(kvq_write_args const& a, std::byte* layer, void const* input, int i, int h0, int n,
+                            write_scratch& scratch, row_rotation const* rot)
+      -> std::pair<float const*, std::ptrdiff_t> {
+    bool const as_is = a.src.type == kvq_elem_f32 && rot == nullptr && a.src.round_f16 == 0 && a.src.mean == 0;
+    if (as_is) {
+      std::int64_t const token = a.src.first + i - a.src.from_residual;
+      return {static_cast<float const*>(input) + token * static_cast<std::int64_t>(a.src.token_stride) +
+                  static_cast<std::int64_t>(h0) * static_cast<std::int64_t>(a.src.head_stride),
+              static_cast<std::ptrdiff_t>(a.src.head_stride)};
+    }
+    for (int k = 0; k < n; ++k) gather(a, layer, input, h0 + k, i, 1, scratch.row(k), scratch.half(), rot);
+    return {scratch.rows(), a.head_dim};
+  }
 
   /// Rows [i0, i0 + n) of kv_head h of a write step as f32 rows (pointer, stride in floats): the
   /// f32 input itself when the rows need nothing done to them, else `gather`ed into the scratch.
