@@ -613,6 +613,23 @@ TEMPLATE_LIST_TEST_CASE("cache: read-back equals each codec's own encode/decode"
   }
 }
 
+using many_heads_choices = std::tuple<kvq::q8_0, rot_q4_0, int8k_kivi4v>;
+
+TEMPLATE_LIST_TEST_CASE("cache: appends to more kv_heads than one kernel call encodes", "[cache][roundtrip]",
+                        many_heads_choices) {
+  // The CPU write path encodes a token's kv_heads 32 at a time: 70 heads take three calls, with the
+  // input used as it is (f32, dense and head-major) or gathered first (f16, the rotation).
+  using Choice = TestType;
+  harness<Choice> x({2, 70, 32, 64}, make_options<Choice>(32));
+  kv_input<float> const k(40, 70, 32, input_layout::dense, 5);
+  kv_input<float> const v(40, 70, 32, input_layout::head_major, 6);
+  x.append_chunks(0, k, v, 0, {1, 23, 16});
+  kv_input<f16> const k16(40, 70, 32, input_layout::padded, 7);
+  kv_input<f16> const v16(40, 70, 32, input_layout::dense, 8);
+  x.append(1, k16, v16, 0, 40);
+  check_all_outputs(x);
+}
+
 TEST_CASE("cache: fp8 overflow mode and scales reach the codec", "[cache][roundtrip]") {
   using Choice = kvq::fp8_e4m3;
   options_of<Choice> o;

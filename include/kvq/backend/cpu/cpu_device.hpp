@@ -100,8 +100,9 @@ class cpu_device {
     auto const params = params_of<C>(a.dst);
     side_rotation<Codec> const rotation(d);
     row_rotation const* rot = rotation.get();
-    // Token-major input: the loops run over chunks of tokens, then kv_heads, so that one chunk of
-    // the input (rows one token_stride apart) is read while it stays in the caches.
+    // Row codecs encode token by token (below); KIVI key tiles and rows that continue residual
+    // rows run over chunks of tokens, then kv_heads, so that one chunk of the input (rows one
+    // token_stride apart) is read while it stays in the caches.
     write_scratch scratch(d, s.kernel == write_kernel::encode_key_tiles ? a.dst.group : write_scratch::chunk);
     if (s.kernel == write_kernel::encode_key_tiles) {
       if constexpr (C::layout == codec_layout::token_group) {
