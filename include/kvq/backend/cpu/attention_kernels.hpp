@@ -683,6 +683,16 @@ struct simd_attention {
       return d % 32 == 0;  // int8: whole blocks of codes
   }
 
+  /// Asks for the n bytes at p to be brought into cache, one request per 64 bytes.
+  static void prefetch_bytes(std::uint8_t const* p, std::size_t n) noexcept {
+#if defined(__GNUC__)
+    for (std::size_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
+#else
+    (void)p;
+    (void)n;
+#endif
+  }
+
   /// The f32 scales (converted as integer_dot converts them) and code sums of n q8_0 query blocks.
   static void query_block_terms(detail::block_q8_0 const* qb, std::size_t n, float* q_scale,
                                 std::int32_t* q_sum) noexcept {
@@ -716,14 +726,9 @@ struct simd_attention {
     };
     for (int t0 = 0; t0 < m; t0 += W) {
       int const nt = std::min(W, m - t0);
-#if defined(__GNUC__)
       // The group's rows asked for in memory order, which the loads below (block b of every row,
       // then block b + 1) do not follow.
-      for (std::uint8_t const *pb = row0 + stride * static_cast<std::size_t>(t0),
-                              *pe = pb + stride * static_cast<std::size_t>(nt);
-           pb < pe; pb += 64)
-        __builtin_prefetch(pb, 0, 3);
-#endif
+      prefetch_bytes(row0 + stride * static_cast<std::size_t>(t0), stride * static_cast<std::size_t>(nt));
       std::uint8_t const* tok[std::size_t{W}];
       for (int j = 0; j < W; ++j) tok[j] = row0 + stride * static_cast<std::size_t>(t0 + std::min(j, nt - 1));
       vf acc[std::size_t{NH}];
@@ -1130,14 +1135,9 @@ struct simd_attention {
   static void prefetch_tile(token_source const& src, int per_unit, std::int64_t t, std::int64_t n) noexcept {
     if (n <= 0 || t >= src.quantized) return;
     std::int64_t const last = std::min(t + n, src.quantized) - 1;
-    auto const* b = src.units + static_cast<std::size_t>(t / per_unit) * src.unit_bytes;
-    auto const* e = src.units + static_cast<std::size_t>(last / per_unit + 1) * src.unit_bytes;
-#if defined(__GNUC__)
-    for (; b < e; b += 64) __builtin_prefetch(b, 0, 3);
-#else
-    (void)b;
-    (void)e;
-#endif
+    std::size_t const first_unit = static_cast<std::size_t>(t / per_unit);
+    prefetch_bytes(src.units + first_unit * src.unit_bytes,
+                   (static_cast<std::size_t>(last / per_unit) + 1 - first_unit) * src.unit_bytes);
   }
 
   /// Attends the group's heads (query q: (group, head_dim), already rounded as the options say;
