@@ -628,59 +628,27 @@ struct simd_attention {
     }
   }
 
-  /// The exact q8_0-query dot of one q8_0 / q4_0 / int8 key row, in the reference's order
-  /// (attention.hpp detail::dot_row; the f16 scales are converted by hardware, which equals the
-  /// reference's conversion for every non-NaN scale).
-  template <class KC>
-  static float integer_dot(std::uint8_t const* row, detail::block_q8_0 const* qb, int d) noexcept {
+  /// The exact q8_0-query dot of one int8 key row whose head_dim is not a multiple of 32 (the last
+  /// block zero-padded), in the reference's order (attention.hpp detail::dot_row_int8); other
+  /// integer-dot rows take integer_logits.
+  static float int8_tail_dot(std::uint8_t const* row, detail::block_q8_0 const* qb, int d) noexcept {
     int const nb = (d + 31) / 32;
+    float scale;
+    std::memcpy(&scale, row, 4);
+    auto const* codes = reinterpret_cast<std::int8_t const*>(row + detail::int8_row_header_bytes);
+    alignas(32) std::int8_t tail[32];
     float sum = 0.0f;
-    if constexpr (std::is_same_v<KC, q8_0>) {
-      for (int b = 0; b < nb; ++b) {
-        std::uint8_t const* blk = row + static_cast<std::size_t>(b) * sizeof(detail::block_q8_0);
-        std::uint16_t dk;
-        std::memcpy(&dk, blk, 2);
-        int const sumi = V::dot_s8x32(reinterpret_cast<std::int8_t const*>(blk + 2), qb[b].qs);
-        sum = detail::add_rn(sum, detail::mul_rn(static_cast<float>(sumi),
-                                                 detail::mul_rn(V::f16_scalar_hw(dk), V::f16_scalar_hw(qb[b].d))));
+    for (int b = 0; b < nb; ++b) {
+      std::int8_t const* k = codes + 32 * b;
+      if (32 * b + 32 > d) {
+        std::memset(tail, 0, sizeof tail);
+        std::memcpy(tail, k, static_cast<std::size_t>(d - 32 * b));
+        k = tail;
       }
-    } else if constexpr (std::is_same_v<KC, q4_0>) {
-      alignas(32) std::int8_t codes[32];
-      for (int b = 0; b < nb; ++b) {
-        std::uint8_t const* blk = row + static_cast<std::size_t>(b) * sizeof(detail::block_q4_0);
-        std::uint16_t dk;
-        std::memcpy(&dk, blk, 2);
-        int const sumi = V::dot_q4x32(blk + 2, qb[b].qs, codes);
-        sum = detail::add_rn(sum, detail::mul_rn(detail::mul_rn(static_cast<float>(sumi), V::f16_scalar_hw(dk)),
-                                                 V::f16_scalar_hw(qb[b].d)));
-      }
-    } else {
-      float scale;
-      std::memcpy(&scale, row, 4);
-      auto const* codes = reinterpret_cast<std::int8_t const*>(row + detail::int8_row_header_bytes);
-      alignas(32) std::int8_t tail[32];
-      for (int b = 0; b < nb; ++b) {
-        std::int8_t const* k = codes + 32 * b;
-        if (32 * b + 32 > d) {
-          std::memset(tail, 0, sizeof tail);
-          std::memcpy(tail, k, static_cast<std::size_t>(d - 32 * b));
-          k = tail;
-        }
-        int const sumi = V::dot_s8x32(k, qb[b].qs);
-        sum = detail::add_rn(sum, detail::mul_rn(static_cast<float>(sumi), V::f16_scalar_hw(qb[b].d)));
-      }
-      sum = detail::mul_rn(sum, scale);
+      int const sumi = V::dot_s8x32(k, qb[b].qs);
+      sum = detail::add_rn(sum, detail::mul_rn(static_cast<float>(sumi), V::f16_scalar_hw(qb[b].d)));
     }
-    return sum;
-  }
-
-  /// True when key codec KC's q8_0-query dots run W tokens at a time (integer_logits).
-  template <class KC>
-  static bool batched_integer_dot(int d) noexcept {
-    if constexpr (std::is_same_v<KC, q4_0> || std::is_same_v<KC, q8_0>)
-      return true;
-    else
-      return d % 32 == 0;  // int8: whole blocks of codes
+    return detail::mul_rn(sum, scale);
   }
 
   /// Asks for the n bytes at p to be brought into cache, one request per 64 bytes.
@@ -693,7 +661,8 @@ struct simd_attention {
 #endif
   }
 
-  /// The f32 scales (converted as integer_dot converts them) and code sums of n q8_0 query blocks.
+  /// The f32 scales (hardware conversion, equal to the reference's for every non-NaN scale) and code
+  /// sums of n q8_0 query blocks.
   static void query_block_terms(detail::block_q8_0 const* qb, std::size_t n, float* q_scale,
                                 std::int32_t* q_sum) noexcept {
     for (std::size_t b = 0; b < n; ++b) {
@@ -704,11 +673,11 @@ struct simd_attention {
     }
   }
 
-  /// logits[(h0 + i) * T + j] = integer_dot<KC>(row j, head h0 + i) for i < NH and j < m, row j
+  /// logits[(h0 + i) * T + j] = the q8_0-query dot of row j and head h0 + i for i < NH and j < m, row j
   /// at row0 + j * stride: the exact integer block dots of W tokens in the lanes of one vector
   /// (policy nibble_dots / byte_dots), then the reference's float arithmetic lane-wise, block by
-  /// block in order, so each logit equals integer_dot's bit for bit. q_scale / q_sum: the query
-  /// blocks' f32 scales and code sums, (group, nb).
+  /// block in order (attention.hpp detail::integer_dot_row), so each logit equals the reference's bit for bit. q_scale
+  /// / q_sum: the query blocks' f32 scales and code sums, (group, nb).
   template <class KC, int NH>
   static void integer_logits_heads(std::uint8_t const* row0, std::size_t stride, int m, detail::block_q8_0 const* qb,
                                    float const* q_scale, std::int32_t const* q_sum, int nb, int h0,
@@ -899,7 +868,7 @@ struct simd_attention {
           if (qb != nullptr) {
             std::uint8_t const* row0 = k.units + static_cast<std::size_t>(t) * k.unit_bytes;
             int const nb = (d + 31) / 32;
-            if (batched_integer_dot<KC>(d)) {
+            if (!std::is_same_v<KC, int8_sym> || d % 32 == 0) {  // int8 codes in whole blocks
               integer_logits<KC>(row0, k.unit_bytes, m, qb, s.q_scale.data(), s.q_sum.data(), nb, call.group,
                                  logits + i);
               i += m;
@@ -907,8 +876,8 @@ struct simd_attention {
             }
             for (int h = 0; h < call.group; ++h)
               for (int r = 0; r < m; ++r)
-                logits[h * T + i + r] = integer_dot<KC>(row0 + static_cast<std::size_t>(r) * k.unit_bytes,
-                                                        qb + static_cast<std::ptrdiff_t>(h) * nb, d);
+                logits[h * T + i + r] = int8_tail_dot(row0 + static_cast<std::size_t>(r) * k.unit_bytes,
+                                                      qb + static_cast<std::ptrdiff_t>(h) * nb, d);
             i += m;
             continue;
           }

@@ -351,20 +351,6 @@ struct ops {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
     return _mm_cvtsi128_si32(s);
   }
-  /// Exact sum of (nibble - 8) * q[j] over the 32 q4_0 codes of 16 packed bytes (tmp: 32 bytes of
-  /// scratch).
-  static std::int32_t dot_q4x32(std::uint8_t const* nibbles, std::int8_t const* q, std::int8_t* tmp) noexcept {
-    unpack_q4(nibbles, tmp);
-    return dot_s8x32(tmp, q);
-  }
-  /// The 32 q4_0 codes (nibble - 8) of 16 packed bytes: low nibbles first, then high nibbles.
-  static void unpack_q4(std::uint8_t const* nibbles, std::int8_t* out) noexcept {
-    __m128i const b = _mm_loadu_si128(reinterpret_cast<__m128i const*>(nibbles));
-    __m128i const m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi8(_mm_and_si128(b, m), eight));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m), eight));
-  }
-
   // Batched integer block dots (attention_kernels.hpp integer_logits): lane j of out[h] is one
   // token's dot with query head h's 32 codes q[h], exact.
 

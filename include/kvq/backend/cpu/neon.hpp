@@ -292,20 +292,6 @@ struct ops {
     }
     return vaddvq_s32(acc);
   }
-  /// Exact sum of (nibble - 8) * q[j] over the 32 q4_0 codes of 16 packed bytes (tmp: 32 bytes of
-  /// scratch).
-  static std::int32_t dot_q4x32(std::uint8_t const* nibbles, std::int8_t const* q, std::int8_t* tmp) noexcept {
-    unpack_q4(nibbles, tmp);
-    return dot_s8x32(tmp, q);
-  }
-  /// The 32 q4_0 codes (nibble - 8) of 16 packed bytes: low nibbles first, then high nibbles.
-  static void unpack_q4(std::uint8_t const* nibbles, std::int8_t* out) noexcept {
-    uint8x16_t const b = vld1q_u8(nibbles);
-    int8x16_t const eight = vdupq_n_s8(8);
-    vst1q_s8(out, vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15))), eight));
-    vst1q_s8(out + 16, vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), eight));
-  }
-
   // Batched integer block dots (attention_kernels.hpp integer_logits): lane j of out[h] is one
   // token's dot with query head h's 32 codes q[h], exact.
 
