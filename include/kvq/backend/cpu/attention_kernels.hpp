@@ -776,8 +776,6 @@ struct simd_attention {
   template <class KC>
   static void kivi_logits(std::uint8_t const* tile, int d, float const* q, int group, int first, int n, int off,
                           float* logits, float* scaled) noexcept {
-    constexpr int B = KC::bits;
-    constexpr int code_bytes = KC::code_bytes;
     auto const* scales = reinterpret_cast<std::uint16_t const*>(tile + KC::scale_offset(d, 0));
     auto const* mins = reinterpret_cast<std::uint16_t const*>(tile + KC::min_offset(d, 0));
     std::uint8_t const* codes = tile + KC::codes_offset(d, 0);
@@ -802,31 +800,83 @@ struct simd_attention {
         }
         bias[i] = bs;
       }
-      for (int j = j0; j < j1; ++j) {
-        std::uint8_t const* cj = codes + j * (W * B / 8);
-        vf acc[4];
-        for (int i = 0; i < 4; ++i) acc[i] = V::set1(bias[i]);
-        if (nh == 4) {
-          for (int c = 0; c < d; ++c) {
-            vf const x = V::cvt_f(V::template load_codes<B>(cj + static_cast<std::ptrdiff_t>(c) * code_bytes));
-            for (int i = 0; i < 4; ++i) acc[i] = V::fma(x, V::set1(scaled[i * d + c]), acc[i]);
-          }
-        } else {
-          for (int c = 0; c < d; ++c) {
-            vf const x = V::cvt_f(V::template load_codes<B>(cj + static_cast<std::ptrdiff_t>(c) * code_bytes));
-            for (int i = 0; i < nh; ++i) acc[i] = V::fma(x, V::set1(scaled[i * d + c]), acc[i]);
-          }
+      for (int j = j0; j < j1;) {
+        int const nj = j + 1 < j1 ? 2 : 1;
+        vf acc[8];
+        switch (nh * 4 + nj - 1) {
+          case 4:
+            kivi_chunk_dots<KC, 1, 1>(codes, j, d, scaled, bias, acc);
+            break;
+          case 5:
+            kivi_chunk_dots<KC, 1, 2>(codes, j, d, scaled, bias, acc);
+            break;
+          case 8:
+            kivi_chunk_dots<KC, 2, 1>(codes, j, d, scaled, bias, acc);
+            break;
+          case 9:
+            kivi_chunk_dots<KC, 2, 2>(codes, j, d, scaled, bias, acc);
+            break;
+          case 12:
+            kivi_chunk_dots<KC, 3, 1>(codes, j, d, scaled, bias, acc);
+            break;
+          case 13:
+            kivi_chunk_dots<KC, 3, 2>(codes, j, d, scaled, bias, acc);
+            break;
+          case 16:
+            kivi_chunk_dots<KC, 4, 1>(codes, j, d, scaled, bias, acc);
+            break;
+          default:
+            kivi_chunk_dots<KC, 4, 2>(codes, j, d, scaled, bias, acc);
+            break;
         }
         alignas(64) float lane[std::size_t{W}];
-        for (int i = 0; i < nh; ++i) {
-          V::store(lane, acc[i]);
-          for (int l = 0; l < W; ++l) {
-            int const t = j * W + l;
-            if (t >= first && t < first + n) logits[(h0 + i) * T + off + (t - first)] = lane[l];
+        for (int jj = 0; jj < nj; ++jj)
+          for (int i = 0; i < nh; ++i) {
+            V::store(lane, acc[jj * 4 + i]);
+            for (int l = 0; l < W; ++l) {
+              int const t = (j + jj) * W + l;
+              if (t >= first && t < first + n) logits[(h0 + i) * T + off + (t - first)] = lane[l];
+            }
           }
-        }
+        j += nj;
       }
     }
+  }
+
+  /// acc[jj * 4 + i] = bias[i] + sum_c scaled[i * d + c] * code_c(token chunk j + jj) for NH heads and NJ
+  /// chunks of W tokens of a KIVI key tile's codes; the channels split into P residues so that
+  /// NH · NJ · P >= 8 FMA chains run independently (one head alone is otherwise latency-bound).
+  template <class KC, int NH, int NJ>
+  static void kivi_chunk_dots(std::uint8_t const* codes, int j, int d, float const* scaled, float const* bias,
+                              vf* out) noexcept {
+    constexpr int B = KC::bits;
+    constexpr int code_bytes = KC::code_bytes;
+    constexpr int P = NH * NJ >= 8 ? 1 : NH * NJ >= 4 ? 2 : NH * NJ >= 2 ? 4 : 8;
+    vf acc[P][NJ][NH];
+    for (int p = 0; p < P; ++p)
+      for (int jj = 0; jj < NJ; ++jj)
+        for (int i = 0; i < NH; ++i) acc[p][jj][i] = V::set1(p == 0 ? bias[i] : 0.0f);
+    std::uint8_t const* cj = codes + j * (W * B / 8);
+    int c = 0;
+    for (; c + P <= d; c += P)
+      for (int p = 0; p < P; ++p)
+        for (int jj = 0; jj < NJ; ++jj) {
+          vf const x = V::cvt_f(
+              V::template load_codes<B>(cj + jj * (W * B / 8) + static_cast<std::ptrdiff_t>(c + p) * code_bytes));
+          for (int i = 0; i < NH; ++i) acc[p][jj][i] = V::fma(x, V::set1(scaled[i * d + c + p]), acc[p][jj][i]);
+        }
+    for (; c < d; ++c)
+      for (int jj = 0; jj < NJ; ++jj) {
+        vf const x =
+            V::cvt_f(V::template load_codes<B>(cj + jj * (W * B / 8) + static_cast<std::ptrdiff_t>(c) * code_bytes));
+        for (int i = 0; i < NH; ++i) acc[0][jj][i] = V::fma(x, V::set1(scaled[i * d + c]), acc[0][jj][i]);
+      }
+    for (int jj = 0; jj < NJ; ++jj)
+      for (int i = 0; i < NH; ++i) {
+        vf a = acc[0][jj][i];
+        for (int p = 1; p < P; ++p) a = V::add(a, acc[p][jj][i]);
+        out[jj * 4 + i] = a;
+      }
   }
 
   /// Raw logits (before scale) of tokens [tb, tb + n) for every head of the group.
