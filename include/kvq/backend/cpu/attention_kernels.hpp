@@ -357,6 +357,11 @@ struct simd_attention {
       vi const q = V::template load_codes<B>(blk + detail::kivi_group_header_bytes + (c % gv) * B / 8);
       return V::fma(V::cvt_f(q), pr.scale, pr.min);
     }
+    /// 4-bit codes only: the W bytes holding channels c .. c + 2W - 1 (c even), one per lane.
+    vi pair_bytes(int t, int c) const noexcept {
+      return V::load_u8(rows[t] + block_bytes() * static_cast<std::size_t>(c / gv) + detail::kivi_group_header_bytes +
+                        (c % gv) / 2);
+    }
     float at(int t, int c) const noexcept {
       std::uint8_t const* blk = rows[t] + block_bytes() * static_cast<std::size_t>(c / gv);
       int const lane = c % gv;
@@ -800,6 +805,35 @@ struct simd_attention {
         }
         bias[i] = bs;
       }
+      if constexpr (KC::bits == 4 && KC::group % (2 * W) == 0) {  // W bytes of a channel: 2W tokens
+        for (int j = first / (2 * W); j * 2 * W < first + n; ++j) {
+          vf acc[8];
+          switch (nh) {
+            case 1:
+              kivi_nibble_dots<KC, 1>(codes + j * W, d, scaled, bias, acc);
+              break;
+            case 2:
+              kivi_nibble_dots<KC, 2>(codes + j * W, d, scaled, bias, acc);
+              break;
+            case 3:
+              kivi_nibble_dots<KC, 3>(codes + j * W, d, scaled, bias, acc);
+              break;
+            default:
+              kivi_nibble_dots<KC, 4>(codes + j * W, d, scaled, bias, acc);
+              break;
+          }
+          alignas(64) float lane[std::size_t{W}];
+          for (int odd = 0; odd < 2; ++odd)
+            for (int i = 0; i < nh; ++i) {
+              V::store(lane, acc[odd * 4 + i]);
+              for (int l = 0; l < W; ++l) {
+                int const t = j * 2 * W + 2 * l + odd;
+                if (t >= first && t < first + n) logits[(h0 + i) * T + off + (t - first)] = lane[l];
+              }
+            }
+        }
+        continue;
+      }
       for (int j = j0; j < j1;) {
         int const nj = j + 1 < j1 ? 2 : 1;
         vf acc[8];
@@ -841,6 +875,38 @@ struct simd_attention {
         j += nj;
       }
     }
+  }
+
+  /// kivi_chunk_dots for 4-bit codes, 2W tokens at a time: channel c's W code bytes at
+  /// cj + c · code_bytes hold tokens 2l (low nibble) and 2l + 1 (high nibble) in lane l, so
+  /// out[i] gets the even tokens and out[4 + i] the odd ones, without unpacking nibbles in order.
+  template <class KC, int NH>
+  static void kivi_nibble_dots(std::uint8_t const* cj, int d, float const* scaled, float const* bias,
+                               vf* out) noexcept {
+    constexpr int code_bytes = KC::code_bytes;
+    constexpr int P = NH >= 4 ? 1 : NH >= 2 ? 2 : 4;
+    vf acc[P][2][NH];
+    for (int p = 0; p < P; ++p)
+      for (int i = 0; i < NH; ++i) acc[p][0][i] = acc[p][1][i] = V::set1(p == 0 ? bias[i] : 0.0f);
+    auto const step = [&](int c, vf(&a)[2][NH]) {
+      vi const b = V::load_u8(cj + static_cast<std::ptrdiff_t>(c) * code_bytes);
+      vf const lo = V::cvt_f(V::and_i(b, V::set1_i(15))), hi = V::cvt_f(V::template srli<4>(b));
+      for (int i = 0; i < NH; ++i) {
+        vf const s = V::set1(scaled[i * d + c]);
+        a[0][i] = V::fma(lo, s, a[0][i]);
+        a[1][i] = V::fma(hi, s, a[1][i]);
+      }
+    };
+    int c = 0;
+    for (; c + P <= d; c += P)
+      for (int p = 0; p < P; ++p) step(c + p, acc[p]);
+    for (; c < d; ++c) step(c, acc[0]);
+    for (int odd = 0; odd < 2; ++odd)
+      for (int i = 0; i < NH; ++i) {
+        vf a = acc[0][odd][i];
+        for (int p = 1; p < P; ++p) a = V::add(a, acc[p][odd][i]);
+        out[odd * 4 + i] = a;
+      }
   }
 
   /// acc[jj * 4 + i] = bias[i] + sum_c scaled[i * d + c] * code_c(token chunk j + jj) for NH heads and NJ
@@ -985,11 +1051,54 @@ struct simd_attention {
       for (int j = 0; j < NC; ++j) V::store(o[i] + c0 + j * W, acc[i][j]);
   }
 
+  /// accumulate_tile for 4-bit KIVI values, NC chunks of 2W channels from c0: W code bytes give the
+  /// chunk's even channels (low nibbles) and odd ones (high nibbles) in two vectors, accumulated
+  /// apart and interleaved into o once per tile.
+  template <int NH, int NC>
+  static void accumulate_nibble_pairs(float* const* o, float const* const* p, kivi_value_rows<4> const& v, int n,
+                                      int c0) noexcept {
+    vf acc[std::size_t{NH}][std::size_t{NC}][2];
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < NC; ++j) acc[i][j][0] = acc[i][j][1] = V::set1(0.0f);
+    for (int t = 0; t < n; ++t) {
+      vf pv[std::size_t{NH}];
+      for (int i = 0; i < NH; ++i) pv[i] = V::set1(p[i][t]);
+      auto pr = v.prepare(t, c0);
+      for (int j = 0; j < NC; ++j) {
+        int const c = c0 + j * 2 * W;
+        if (j > 0 && c % v.gv == 0) pr = v.prepare(t, c);
+        vi const b = v.pair_bytes(t, c);
+        vf const lo = V::fma(V::cvt_f(V::and_i(b, V::set1_i(15))), pr.scale, pr.min);
+        vf const hi = V::fma(V::cvt_f(V::template srli<4>(b)), pr.scale, pr.min);
+        for (int i = 0; i < NH; ++i) {
+          acc[i][j][0] = V::fma(pv[i], lo, acc[i][j][0]);
+          acc[i][j][1] = V::fma(pv[i], hi, acc[i][j][1]);
+        }
+      }
+    }
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < NC; ++j) {
+        float* const oc = o[i] + c0 + j * 2 * W;
+        vf lo, hi;
+        V::interleave(acc[i][j][0], acc[i][j][1], lo, hi);
+        V::store(oc, V::add(V::load(oc), lo));
+        V::store(oc + W, V::add(V::load(oc + W), hi));
+      }
+  }
+
   /// o_(h0+i) += sum_t p_(h0+i)[t] * v_t over every channel, for NH heads.
   template <int NH, class L>
   static void accumulate_heads(float* const* o, float const* const* p, L const& v, int n, int d) noexcept {
     constexpr int NC = NH == 8 ? 2 : NH == 6 ? 4 : NH == 4 ? (W >= 16 ? 4 : 2) : NH == 2 ? 4 : 8;
     int c = 0;
+    if constexpr (std::is_same_v<L, kivi_value_rows<4>>) {
+      if (v.gv % (2 * W) == 0) {               // chunks of 2W channels never straddle a group
+        constexpr int regs = W == 8 ? 8 : 24;  // accumulators: 16 ymm on AVX2, 32 registers elsewhere
+        constexpr int NP = std::clamp(regs / (2 * NH), 1, 4);
+        for (; c + NP * 2 * W <= d; c += NP * 2 * W) accumulate_nibble_pairs<NH, NP>(o, p, v, n, c);
+        for (; c + 2 * W <= d; c += 2 * W) accumulate_nibble_pairs<NH, 1>(o, p, v, n, c);
+      }
+    }
     for (; c + NC * W <= d; c += NC * W) accumulate_tile<NH, NC>(o, p, v, n, c);
     for (; c + W <= d; c += W) accumulate_tile<NH, 1>(o, p, v, n, c);
     for (; c < d; ++c)

@@ -44,6 +44,12 @@ struct ops {
   static void store(float* p, vf v) noexcept { _mm256_storeu_ps(p, v); }
   static vf set1(float x) noexcept { return _mm256_set1_ps(x); }
   static vf add(vf a, vf b) noexcept { return _mm256_add_ps(a, b); }
+  /// lo = a0 b0 a1 b1 a2 b2 a3 b3, hi = a4 b4 ... a7 b7.
+  static void interleave(vf a, vf b, vf& lo, vf& hi) noexcept {
+    __m256 const l = _mm256_unpacklo_ps(a, b), h = _mm256_unpackhi_ps(a, b);
+    lo = _mm256_permute2f128_ps(l, h, 0x20);
+    hi = _mm256_permute2f128_ps(l, h, 0x31);
+  }
   static vf sub(vf a, vf b) noexcept { return _mm256_sub_ps(a, b); }
   /// fl(a * b), never contracted with a later addition into an FMA.
   static vf mul(vf a, vf b) noexcept {

@@ -67,6 +67,11 @@ struct ops {
   static void store(float* p, vf v) noexcept { _mm512_storeu_ps(p, v); }
   static vf set1(float x) noexcept { return _mm512_set1_ps(x); }
   static vf add(vf a, vf b) noexcept { return _mm512_add_ps(a, b); }
+  /// lo = a0 b0 a1 b1 ... a7 b7, hi = a8 b8 ... a15 b15.
+  static void interleave(vf a, vf b, vf& lo, vf& hi) noexcept {
+    lo = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), b);
+    hi = _mm512_permutex2var_ps(a, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), b);
+  }
   static vf sub(vf a, vf b) noexcept { return _mm512_sub_ps(a, b); }
   /// fl(a * b), never contracted with a later addition into an FMA.
   static vf mul(vf a, vf b) noexcept {

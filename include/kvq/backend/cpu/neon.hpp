@@ -44,6 +44,11 @@ struct ops {
   static void store(float* p, vf v) noexcept { vst1q_f32(p, v); }
   static vf set1(float x) noexcept { return vdupq_n_f32(x); }
   static vf add(vf a, vf b) noexcept { return vaddq_f32(a, b); }
+  /// lo = a0 b0 a1 b1, hi = a2 b2 a3 b3.
+  static void interleave(vf a, vf b, vf& lo, vf& hi) noexcept {
+    lo = vzip1q_f32(a, b);
+    hi = vzip2q_f32(a, b);
+  }
   static vf sub(vf a, vf b) noexcept { return vsubq_f32(a, b); }
   /// fl(a * b), never contracted with a later addition into an FMLA.
   static vf mul(vf a, vf b) noexcept {
