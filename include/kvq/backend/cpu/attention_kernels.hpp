@@ -805,75 +805,58 @@ struct simd_attention {
         }
         bias[i] = bs;
       }
+      // Lane l of acc[k * 4 + i] is head h0 + i's logit of token `token(k, l)`, kept when in range.
+      auto const scatter = [&](vf const* acc, int nk, auto token) {
+        alignas(64) float lane[std::size_t{W}];
+        for (int k = 0; k < nk; ++k)
+          for (int i = 0; i < nh; ++i) {
+            V::store(lane, acc[k * 4 + i]);
+            for (int l = 0; l < W; ++l) {
+              int const t = token(k, l);
+              if (t >= first && t < first + n) logits[(h0 + i) * T + off + (t - first)] = lane[l];
+            }
+          }
+      };
       if constexpr (KC::bits == 4 && KC::group % (2 * W) == 0) {  // W bytes of a channel: 2W tokens
         for (int j = first / (2 * W); j * 2 * W < first + n; ++j) {
           vf acc[8];
-          switch (nh) {
-            case 1:
-              kivi_nibble_dots<KC, 1>(codes + j * W, d, scaled, bias, acc);
-              break;
-            case 2:
-              kivi_nibble_dots<KC, 2>(codes + j * W, d, scaled, bias, acc);
-              break;
-            case 3:
-              kivi_nibble_dots<KC, 3>(codes + j * W, d, scaled, bias, acc);
-              break;
-            default:
-              kivi_nibble_dots<KC, 4>(codes + j * W, d, scaled, bias, acc);
-              break;
-          }
-          alignas(64) float lane[std::size_t{W}];
-          for (int odd = 0; odd < 2; ++odd)
-            for (int i = 0; i < nh; ++i) {
-              V::store(lane, acc[odd * 4 + i]);
-              for (int l = 0; l < W; ++l) {
-                int const t = j * 2 * W + 2 * l + odd;
-                if (t >= first && t < first + n) logits[(h0 + i) * T + off + (t - first)] = lane[l];
-              }
-            }
+          with_head_count(
+              nh, [&](auto NH) { kivi_nibble_dots<KC, decltype(NH)::value>(codes + j * W, d, scaled, bias, acc); });
+          scatter(acc, 2, [&](int odd, int l) { return j * 2 * W + 2 * l + odd; });
         }
         continue;
       }
       for (int j = j0; j < j1;) {
         int const nj = j + 1 < j1 ? 2 : 1;
         vf acc[8];
-        switch (nh * 4 + nj - 1) {
-          case 4:
-            kivi_chunk_dots<KC, 1, 1>(codes, j, d, scaled, bias, acc);
-            break;
-          case 5:
-            kivi_chunk_dots<KC, 1, 2>(codes, j, d, scaled, bias, acc);
-            break;
-          case 8:
-            kivi_chunk_dots<KC, 2, 1>(codes, j, d, scaled, bias, acc);
-            break;
-          case 9:
-            kivi_chunk_dots<KC, 2, 2>(codes, j, d, scaled, bias, acc);
-            break;
-          case 12:
-            kivi_chunk_dots<KC, 3, 1>(codes, j, d, scaled, bias, acc);
-            break;
-          case 13:
-            kivi_chunk_dots<KC, 3, 2>(codes, j, d, scaled, bias, acc);
-            break;
-          case 16:
-            kivi_chunk_dots<KC, 4, 1>(codes, j, d, scaled, bias, acc);
-            break;
-          default:
-            kivi_chunk_dots<KC, 4, 2>(codes, j, d, scaled, bias, acc);
-            break;
-        }
-        alignas(64) float lane[std::size_t{W}];
-        for (int jj = 0; jj < nj; ++jj)
-          for (int i = 0; i < nh; ++i) {
-            V::store(lane, acc[jj * 4 + i]);
-            for (int l = 0; l < W; ++l) {
-              int const t = (j + jj) * W + l;
-              if (t >= first && t < first + n) logits[(h0 + i) * T + off + (t - first)] = lane[l];
-            }
-          }
+        with_head_count(nh, [&](auto NH) {
+          if (nj == 2)
+            kivi_chunk_dots<KC, decltype(NH)::value, 2>(codes, j, d, scaled, bias, acc);
+          else
+            kivi_chunk_dots<KC, decltype(NH)::value, 1>(codes, j, d, scaled, bias, acc);
+        });
+        scatter(acc, nj, [&](int jj, int l) { return (j + jj) * W + l; });
         j += nj;
       }
+    }
+  }
+
+  /// Calls f(std::integral_constant<int, nh>{}) for a head count nh of 1 .. 4.
+  template <class F>
+  static void with_head_count(int nh, F&& f) {
+    switch (nh) {
+      case 1:
+        f(std::integral_constant<int, 1>{});
+        break;
+      case 2:
+        f(std::integral_constant<int, 2>{});
+        break;
+      case 3:
+        f(std::integral_constant<int, 3>{});
+        break;
+      default:
+        f(std::integral_constant<int, 4>{});
+        break;
     }
   }
 
@@ -885,10 +868,10 @@ struct simd_attention {
                                vf* out) noexcept {
     constexpr int code_bytes = KC::code_bytes;
     constexpr int P = NH >= 4 ? 1 : NH >= 2 ? 2 : 4;
-    vf acc[P][2][NH];
+    vf acc[std::size_t{P}][2][std::size_t{NH}];
     for (int p = 0; p < P; ++p)
       for (int i = 0; i < NH; ++i) acc[p][0][i] = acc[p][1][i] = V::set1(p == 0 ? bias[i] : 0.0f);
-    auto const step = [&](int c, vf(&a)[2][NH]) {
+    auto const step = [&](int c, vf(&a)[2][std::size_t{NH}]) {
       vi const b = V::load_u8(cj + static_cast<std::ptrdiff_t>(c) * code_bytes);
       vf const lo = V::cvt_f(V::and_i(b, V::set1_i(15))), hi = V::cvt_f(V::template srli<4>(b));
       for (int i = 0; i < NH; ++i) {
@@ -918,7 +901,7 @@ struct simd_attention {
     constexpr int B = KC::bits;
     constexpr int code_bytes = KC::code_bytes;
     constexpr int P = NH * NJ >= 8 ? 1 : NH * NJ >= 4 ? 2 : NH * NJ >= 2 ? 4 : 8;
-    vf acc[P][NJ][NH];
+    vf acc[std::size_t{P}][std::size_t{NJ}][std::size_t{NH}];
     for (int p = 0; p < P; ++p)
       for (int jj = 0; jj < NJ; ++jj)
         for (int i = 0; i < NH; ++i) acc[p][jj][i] = V::set1(p == 0 ? bias[i] : 0.0f);
