@@ -894,13 +894,14 @@ struct simd_attention {
 
   /// acc[jj * 4 + i] = bias[i] + sum_c scaled[i * d + c] * code_c(token chunk j + jj) for NH heads and NJ
   /// chunks of W tokens of a KIVI key tile's codes; the channels split into P residues so that
-  /// NH · NJ · P >= 8 FMA chains run independently (one head alone is otherwise latency-bound).
+  /// NH · NJ · P FMA chains run independently (one head alone is otherwise latency-bound). P depends
+  /// on NH alone, so a token's logit is summed in the same order whatever range it is attended in.
   template <class KC, int NH, int NJ>
   static void kivi_chunk_dots(std::uint8_t const* codes, int j, int d, float const* scaled, float const* bias,
                               vf* out) noexcept {
     constexpr int B = KC::bits;
     constexpr int code_bytes = KC::code_bytes;
-    constexpr int P = NH * NJ >= 8 ? 1 : NH * NJ >= 4 ? 2 : NH * NJ >= 2 ? 4 : 8;
+    constexpr int P = NH >= 4 ? 1 : NH >= 2 ? 2 : 4;
     vf acc[std::size_t{P}][std::size_t{NJ}][std::size_t{NH}];
     for (int p = 0; p < P; ++p)
       for (int jj = 0; jj < NJ; ++jj)
