@@ -5,7 +5,8 @@
 //
 // Shapes: gqa = 32 query / 8 KV heads, mha = 32 / 32; head_dim 128; contexts 512, 4k, 16k, 32k;
 // KIVI at G = 32, R = 128. Every codec runs with the default options (f32 query); q8_0, q4_0 and
-// int8 also run with query_precision::q8_0 (integer q·K), named <codec>+q8q. The rotated codecs
+// int8 also run with query_precision::q8_0 (integer q·K), named <codec>+q8q, with
+// probability_precision::i8 (integer P·V), named <codec>+i8p, and with both, <codec>+q8q+i8p. The rotated codecs
 // rot-q4_0 and tq4 (FORMATS.md §6) run one cell each, gqa at 4k on 1 and 2 threads, to set
 // against f16 and q4_0 there.
 //
@@ -18,7 +19,8 @@
 // Counters per call: kv_bytes (K and V bytes stored for the attended tokens: codec bytes with their
 // scales, KIVI's f16 residual rows as f16), qk_macs and pv_macs (q_heads × context × head_dim
 // multiply-adds each), qk_int8 (present, = 1, when q·K may run as int8 dot products: integer keys
-// with a q8_0 query), layers and working_set_bytes. Machine rows, run first and again last
+// with a q8_0 query), pv_int8 (likewise, when P·V runs on integers), layers and working_set_bytes. Machine rows, run
+// first and again last
 // (".../again"): machine/read (bytes_per_second over a buffer far beyond the caches), machine/fma
 // and machine/int8dot (macs_per_second).
 #include <kvq/attention.hpp>
@@ -62,14 +64,12 @@ constexpr layer_data suite_data = {11, 23, 389};
 
 template <class Choice>
 void bm_attention(benchmark::State& state, std::string const& key, shape_spec s, int context, int threads,
-                  kvq::query_precision precision, bool int8_keys) {
+                  kvq::attention_options opt, bool int8_keys) {
   auto& set = acquire_layers<Choice>(key, s, context, suite_data);
   int const layers = set.cache.shape().layers;
   std::vector<float> q(static_cast<std::size_t>(s.q_heads) * head_dim);
   std::vector<float> out(q.size());
   fill_normal(q.data(), q.size(), 99);
-  kvq::attention_options opt;
-  opt.query = precision;
   int layer = 0;
   for (auto _ : state) {
     if (threads == 1) {
@@ -88,7 +88,8 @@ void bm_attention(benchmark::State& state, std::string const& key, shape_spec s,
   state.counters["qk_macs"] = macs;
   state.counters["pv_macs"] = macs;
   // Set only when true: Google Benchmark writes the variation of an all-zero counter as a bare NaN.
-  if (int8_keys && precision == kvq::query_precision::q8_0) state.counters["qk_int8"] = 1.0;
+  if (int8_keys && opt.query == kvq::query_precision::q8_0) state.counters["qk_int8"] = 1.0;
+  if (int8_keys && opt.probabilities == kvq::probability_precision::i8) state.counters["pv_int8"] = 1.0;
   state.counters["layers"] = layers;
   state.counters["working_set_bytes"] = static_cast<double>(set.kv_bytes) * layers;
 }
@@ -102,15 +103,17 @@ void register_codec(std::string const& name, bool int8_keys, std::span<shape_spe
   for (auto const& s : shape_list) {
     for (int context : context_list) {
       std::string const key = name + "/" + s.name + "/" + std::to_string(context);
-      for (auto precision : {kvq::query_precision::f32, kvq::query_precision::q8_0}) {
-        if (precision == kvq::query_precision::q8_0 && !int8_keys) continue;
-        std::string const label = precision == kvq::query_precision::q8_0 ? name + "+q8q" : name;
+      for (int variant = 0; variant < (int8_keys ? 4 : 1); ++variant) {
+        kvq::attention_options opt;
+        if (variant & 1) opt.query = kvq::query_precision::q8_0;
+        if (variant & 2) opt.probabilities = kvq::probability_precision::i8;
+        std::string const label = name + ((variant & 1) != 0 ? "+q8q" : "") + ((variant & 2) != 0 ? "+i8p" : "");
         for (int threads : thread_counts) {
           std::string const bench = "attention/" + label + "/" + s.name + "/ctx:" + std::to_string(context) +
                                     "/threads:" + std::to_string(threads);
           benchmark::RegisterBenchmark(
               bench.c_str(),
-              [=](benchmark::State& st) { bm_attention<Choice>(st, key, s, context, threads, precision, int8_keys); })
+              [=](benchmark::State& st) { bm_attention<Choice>(st, key, s, context, threads, opt, int8_keys); })
               ->UseRealTime()
               ->Unit(benchmark::kMillisecond);
         }

@@ -191,6 +191,7 @@ struct attention_work {
   double qk_macs = 0;    ///< multiply-adds of q·K
   double pv_macs = 0;    ///< multiply-adds of p·V
   bool qk_int8 = false;  ///< q·K as int8 dot products (else f32 FMAs)
+  bool pv_int8 = false;  ///< p·V as int8 dot products (else f32 FMAs)
 };
 
 /// Roofline time of one call in seconds: max(bytes / read bandwidth, q·K ops / their peak + p·V
@@ -198,9 +199,10 @@ struct attention_work {
 inline auto roofline_seconds(attention_work const& w, double read_bytes_per_s, double fma_macs_per_s,
                              double int8_macs_per_s) -> std::optional<double> {
   double const qk_peak = w.qk_int8 ? int8_macs_per_s : fma_macs_per_s;
-  if (!(read_bytes_per_s > 0) || !(fma_macs_per_s > 0) || !(qk_peak > 0)) return std::nullopt;
+  double const pv_peak = w.pv_int8 ? int8_macs_per_s : fma_macs_per_s;
+  if (!(read_bytes_per_s > 0) || !(qk_peak > 0) || !(pv_peak > 0)) return std::nullopt;
   double const memory = w.kv_bytes / read_bytes_per_s;
-  double const compute = w.qk_macs / qk_peak + w.pv_macs / fma_macs_per_s;
+  double const compute = w.qk_macs / qk_peak + w.pv_macs / pv_peak;
   return std::max(memory, compute);
 }
 
@@ -226,9 +228,10 @@ struct codec_summary {
 
 /// One attention benchmark against its roofline and the f16 cache.
 struct attention_row {
-  std::string codec;      ///< DESIGN §8 name
-  bool q8_query = false;  ///< run with query_precision::q8_0 ("<codec>+q8q")
-  std::string shape;      ///< "gqa" or "mha"
+  std::string codec;              ///< DESIGN §8 name
+  bool q8_query = false;          ///< run with query_precision::q8_0 ("<codec>+q8q")
+  bool i8_probabilities = false;  ///< run with probability_precision::i8 ("<codec>[+q8q]+i8p")
+  std::string shape;              ///< "gqa" or "mha"
   int context = 0;
   int threads = 0;
   double seconds = 0;  ///< median time per call
@@ -238,7 +241,9 @@ struct attention_row {
   std::optional<double> speedup_vs_f16;
   std::optional<double> speedup_vs_q4_0;  ///< time of the q4_0 row (f32 query) of the same cell / time
 
-  auto label() const -> std::string { return q8_query ? codec + "+q8q" : codec; }
+  auto label() const -> std::string { return codec + (q8_query ? "+q8q" : "") + (i8_probabilities ? "+i8p" : ""); }
+  /// True for a run with the default attention options.
+  auto default_options() const -> bool { return !q8_query && !i8_probabilities; }
   auto pct_roofline() const -> std::optional<double> {
     if (!roofline_s) return std::nullopt;
     return percent(*roofline_s, seconds);
@@ -398,7 +403,7 @@ inline auto codec_rank(std::string const& codec) -> std::size_t {
   return static_cast<std::size_t>(it - codec_names.begin());
 }
 
-/// Parses "attention/<codec>[+q8q]/<shape>/ctx:<n>/threads:<t>".
+/// Parses "attention/<codec>[+q8q][+i8p]/<shape>/ctx:<n>/threads:<t>".
 inline auto parse_attention_name(std::string const& name, attention_row& row) -> bool {
   std::vector<std::string> parts;
   std::stringstream in(name);
@@ -407,6 +412,10 @@ inline auto parse_attention_name(std::string const& name, attention_row& row) ->
       parts[4].rfind("threads:", 0) != 0)
     return false;
   row.codec = parts[1];
+  if (row.codec.size() > 4 && row.codec.compare(row.codec.size() - 4, 4, "+i8p") == 0) {
+    row.i8_probabilities = true;
+    row.codec.resize(row.codec.size() - 4);
+  }
   if (row.codec.size() > 4 && row.codec.compare(row.codec.size() - 4, 4, "+q8q") == 0) {
     row.q8_query = true;
     row.codec.resize(row.codec.size() - 4);
@@ -559,6 +568,7 @@ inline auto summarise(suite const& codecs, suite const& attention, suite const& 
     row.work.qk_macs = r.counter("qk_macs").value_or(0.0);
     row.work.pv_macs = r.counter("pv_macs").value_or(0.0);
     row.work.qk_int8 = r.counter("qk_int8").value_or(0.0) > 0.5;
+    row.work.pv_int8 = r.counter("pv_int8").value_or(0.0) > 0.5;
     auto const find = [](std::map<int, double> const& m, int t) { return m.count(t) ? m.at(t) : 0.0; };
     row.roofline_s =
         roofline_seconds(row.work, find(s.mach.read_bytes_per_s, row.threads), find(s.mach.fma_macs_per_s, row.threads),
@@ -571,15 +581,17 @@ inline auto summarise(suite const& codecs, suite const& attention, suite const& 
   }
   for (auto& row : s.attention) {
     for (auto const& other : s.attention) {
-      bool const same_cell = !other.q8_query && other.shape == row.shape && other.context == row.context &&
+      bool const same_cell = other.default_options() && other.shape == row.shape && other.context == row.context &&
                              other.threads == row.threads && row.seconds > 0;
       if (same_cell && other.codec == "f16") row.speedup_vs_f16 = other.seconds / row.seconds;
       if (same_cell && other.codec == "q4_0") row.speedup_vs_q4_0 = other.seconds / row.seconds;
     }
   }
   std::stable_sort(s.attention.begin(), s.attention.end(), [](attention_row const& x, attention_row const& y) {
-    auto const kx = std::make_tuple(detail::codec_rank(x.codec), x.q8_query, x.shape, x.context, x.threads);
-    auto const ky = std::make_tuple(detail::codec_rank(y.codec), y.q8_query, y.shape, y.context, y.threads);
+    auto const kx =
+        std::make_tuple(detail::codec_rank(x.codec), x.i8_probabilities, x.q8_query, x.shape, x.context, x.threads);
+    auto const ky =
+        std::make_tuple(detail::codec_rank(y.codec), y.i8_probabilities, y.q8_query, y.shape, y.context, y.threads);
     return kx < ky;
   });
 
@@ -718,20 +730,26 @@ inline auto multi_query_json(multi_query_row const& r) -> ordered_json {
 
 /// The --json document: {"codecs": [{"codec", "encode_pct_memcpy", "decode_pct_memcpy",
 /// "attention": [{"shape", "context", "threads", "time_ms", "roofline_ms", "pct_roofline",
-/// "speedup_vs_f16"}]}]}, plus "attention_q8_query" (the +q8q runs, same layout), "persist"
+/// "speedup_vs_f16"}]}]}, plus "attention_q8_query", "attention_i8_probabilities" and
+/// "attention_q8_query_i8_probabilities" (the +q8q, +i8p and +q8q+i8p runs, same layout), "persist"
 /// ([{"codec", "image_bytes", "<op>_pct_memcpy" for each persist op}]), "multi_query" ([{"codec",
 /// "q8_query", "shape", "context", "n_q", "threads", "time_ms", "gb_per_s", "pct_memcpy",
 /// "gflop_per_s", "pct_fma_peak", "pct_int8_peak", "speedup_vs_f16", "time_vs_nq1"}]),
 /// "multi_query_machine" (that suite's own bandwidths and peaks), "append" ([{"codec",
 /// "<input>_<mode>_pct_memcpy" for each append op}]), "machine" and "targets" at top level.
 inline auto to_json(summary const& s) -> ordered_json {
-  ordered_json codecs = ordered_json::array(), q8 = ordered_json::array();
+  ordered_json codecs = ordered_json::array(), q8 = ordered_json::array(), i8 = ordered_json::array(),
+               q8_i8 = ordered_json::array();
   for (auto const& c : s.codecs) {
-    ordered_json rows = ordered_json::array(), q8_rows = ordered_json::array();
+    ordered_json rows = ordered_json::array(), q8_rows = ordered_json::array(), i8_rows = ordered_json::array(),
+                 q8_i8_rows = ordered_json::array();
     for (auto const& r : s.attention) {
       if (r.codec != c.codec) continue;
-      (r.q8_query ? q8_rows : rows).push_back(detail::attention_json(r));
+      (r.i8_probabilities ? (r.q8_query ? q8_i8_rows : i8_rows) : (r.q8_query ? q8_rows : rows))
+          .push_back(detail::attention_json(r));
     }
+    if (!i8_rows.empty()) i8.push_back({{"codec", c.codec}, {"attention", i8_rows}});
+    if (!q8_i8_rows.empty()) q8_i8.push_back({{"codec", c.codec}, {"attention", q8_i8_rows}});
     codecs.push_back({{"codec", c.codec},
                       {"encode_pct_memcpy", detail::optional_number(c.encode_pct, 4)},
                       {"decode_pct_memcpy", detail::optional_number(c.decode_pct, 4)},
@@ -778,6 +796,8 @@ inline auto to_json(summary const& s) -> ordered_json {
                        {"int8_gmacs_per_s", detail::per_threads(s.mach.int8_macs_per_s, 1e-9)}};
   return {{"codecs", codecs},
           {"attention_q8_query", q8},
+          {"attention_i8_probabilities", i8},
+          {"attention_q8_query_i8_probabilities", q8_i8},
           {"persist", persist},
           {"multi_query", multi_query},
           {"multi_query_machine", mq_mach},
@@ -858,12 +878,13 @@ inline auto rotated_lines(summary const& s) -> std::vector<std::string> {
   std::vector<std::string> lines;
   std::set<std::tuple<int, std::string, int, int>> cells;  // shape rank (gqa first), shape, context, threads
   for (auto const& r : s.attention)
-    if (rotated(r.codec) && !r.q8_query) cells.insert({r.shape == "gqa" ? 0 : 1, r.shape, r.context, r.threads});
+    if (rotated(r.codec) && r.default_options())
+      cells.insert({r.shape == "gqa" ? 0 : 1, r.shape, r.context, r.threads});
   for (auto const& [rank, shape, context, t] : cells) {
     std::string line =
         shape + " " + context_text(context) + ", " + std::to_string(t) + (t == 1 ? " thread:" : " threads:");
     for (auto const& r : s.attention) {
-      if (r.q8_query || r.shape != shape || r.context != context || r.threads != t) continue;
+      if (!r.default_options() || r.shape != shape || r.context != context || r.threads != t) continue;
       if (r.codec != "f16" && r.codec != "q4_0" && !rotated(r.codec)) continue;
       line += " " + r.label() + " " + ms_text(r.seconds) + " ms";
       if (rotated(r.codec))
@@ -1162,8 +1183,9 @@ bytes, i.e. the ratio of their GB/s.
 
 **Decode attention** (`kvq_bench_attention`): one query token through the public entries,
 `kvq::decode_attention` (1 thread) and `kvq::decode_attention_parallel` (2 threads), for every
-codec with the default options (f32 query) and, as extra rows `<codec>+q8q`, q8_0 / q4_0 / int8
-with `query_precision::q8_0` (integer q·K). Shapes gqa (32 query / 8 KV heads) and mha (32 / 32),
+codec with the default options (f32 query) and, as extra rows, q8_0 / q4_0 / int8 with
+`query_precision::q8_0` (integer q·K, `<codec>+q8q`), with `probability_precision::i8` (integer
+p·V, `<codec>+i8p`) and with both (`<codec>+q8q+i8p`). Shapes gqa (32 query / 8 KV heads) and mha (32 / 32),
 head_dim 128, contexts 512, 4k, 16k, 32k; KIVI at G = 32, R = 128. The rotated codecs `rot-q4_0`
 and `tq4` run gqa at 4k only (1 and 2 threads), listed against f16 and q4_0 there. Keys are N(0, 1)
 with four outlier channels ×10, values N(0, 1). Each (codec, shape, context) fills enough layers
@@ -1175,7 +1197,8 @@ iteration i attends layer i mod L, so no result comes from cache. **× f16** = t
 f32 FMA peak), with every figure measured in the same run and thread count: K+V bytes = the bytes
 stored for the attended tokens (codec bytes with their scales; KIVI's f16 residual rows as f16);
 ops = q_heads × context × head_dim multiply-adds for q·K and as many for p·V; q·K counts against the
-int8 dot-product peak for the `+q8q` rows and against the f32 FMA peak otherwise. The read
+int8 dot-product peak for the `+q8q` rows and against the f32 FMA peak otherwise, p·V likewise
+for the `+i8p` rows. The read
 bandwidth is a read-only pass over a buffer of at least 8× the last-level cache; the peaks are
 independent accumulator chains (f32 FMA; int8 dot product). Each is measured before and again
 after the attention runs, and the higher figure is used (other load can only lower it).

@@ -5,7 +5,7 @@
 //     on realistic KV data (outlier key channels, RoPE-like rotation, small values, peaked queries),
 //     for every codec choice, head_dim 8/64/80/128, GQA 32/8, MQA 8/1, MHA 4/4 and contexts 1 .. 8200;
 //   * the options: window, soft-cap, scale, q8_0 query (golden ggml dot products bit for bit),
-//     f16 probabilities;
+//     f16 probabilities, i8 probabilities (against float64 within the bound of their rounding);
 //   * the split form (attend_range + combine + finalize) and decode_attention_parallel;
 //   * NaN/Inf behaviour and argument errors as the header pins them.
 // A hidden test, `[.measure]`, prints the error of every codec at context 4096, head_dim 128, GQA 32/8.
@@ -1325,4 +1325,122 @@ TEST_CASE("report: attention error per codec at context 4096, head_dim 128, GQA 
       std::printf("%-28s %.4e  %.8f  %.4e  %.2e (plain %.2e)\n", name.c_str(), s.worst_rel, s.worst_cos,
                   s.sum_rel / s.cases, s.worst_own, s.worst_own_plain);
   }
+}
+
+namespace {
+
+/// Decode attention with probability_precision::i8 on a cache of value codec C (keys f16), against
+/// float64 attention over the cache's own keys and values. Each value scale group g of each tile
+/// rounds its weights e_t · d_t,g (e_t = exp(logit − max)) to steps of A / 127, A = the largest
+/// |e_t · d_t,g| of the tile, so out[c] is off by at most sum_t (A / 254) · |code_t,c| / sum_t e_t
+/// (the sum stays f32), plus fp32 noise; the bound is also checked to be needed (the i8 output
+/// differs from the f32-probability one) and the error to stay within a quarter of it on average.
+template <class C>
+void check_i8_probabilities(int d, int q_heads, int kv_heads, std::int64_t n, std::uint32_t seed) {
+  using layout_t = kvq::cpu_kernels::integer_value_layout<C>;
+  kvq::QuantizedKVCache<kvq::kv_codecs<kvq::f16_codec, C>> cache({1, kv_heads, d, n});
+  rng r(seed);
+  std::vector<float> k(static_cast<std::size_t>(n * kv_heads * d)), v(k.size());
+  for (auto& x : k) x = static_cast<float>(r.normal());
+  for (std::size_t i = 0; i < v.size(); ++i)
+    v[i] = static_cast<float>(r.normal()) * (i % static_cast<std::size_t>(d) == 5 ? 6.0f : 1.0f);
+  cache.append(0, kvq::token_major(k.data(), n, kv_heads, d), kvq::token_major(v.data(), n, kv_heads, d));
+  std::vector<float> q(static_cast<std::size_t>(q_heads * d));
+  for (auto& x : q) x = static_cast<float>(r.normal()) * 2.0f;  // peaked softmax: small weights round to 0
+  kvq::attention_options o;
+  o.probabilities = kvq::probability_precision::i8;
+  std::vector<float> got(q.size()), plain(q.size());
+  kvq::decode_attention(cache, 0, q.data(), q_heads, got.data(), o);
+  kvq::decode_attention(cache, 0, q.data(), q_heads, plain.data());
+  int const group = q_heads / kv_heads;
+  double const scale = 1.0 / std::sqrt(static_cast<double>(d));
+  int const gc = layout_t::group(d);
+  double err_sum = 0, bound_sum = 0;
+  bool differs = false;
+  for (int h = 0; h < q_heads; ++h) {
+    int const kh = h / group;
+    std::vector<float> keys(static_cast<std::size_t>(n * d));
+    cache.read_keys(0, kh, 0, n, keys.data());
+    auto const vs = cache.value_storage(0, kh);
+    auto const row = [&](std::int64_t t) {
+      return reinterpret_cast<std::uint8_t const*>(vs.units) + static_cast<std::size_t>(t) * vs.unit_bytes;
+    };
+    std::vector<double> s(static_cast<std::size_t>(n));
+    double m = -1e300;
+    for (std::int64_t t = 0; t < n; ++t) {
+      double dot = 0;
+      for (int c = 0; c < d; ++c)
+        dot += static_cast<double>(q[static_cast<std::size_t>(h * d + c)]) * keys[static_cast<std::size_t>(t * d + c)];
+      s[static_cast<std::size_t>(t)] = dot * scale;
+      m = std::max(m, dot * scale);
+    }
+    std::vector<double> e(s.size()), out(static_cast<std::size_t>(d), 0.0), bound(static_cast<std::size_t>(d), 0.0),
+        magnitude(static_cast<std::size_t>(d), 0.0);
+    double z = 0;
+    for (std::size_t t = 0; t < e.size(); ++t) z += e[t] = std::exp(s[t] - m);
+    for (std::int64_t t0 = 0; t0 < n; t0 += 32) {
+      std::int64_t const t1 = std::min(n, t0 + 32);
+      for (int g = 0; g * gc < d; ++g) {
+        double a = 0;
+        for (std::int64_t t = t0; t < t1; ++t)
+          a = std::max(a, e[static_cast<std::size_t>(t)] * std::fabs(static_cast<double>(layout_t::scale(row(t), g))));
+        for (int c = g * gc; c < std::min(d, (g + 1) * gc); ++c)
+          for (std::int64_t t = t0; t < t1; ++t) {
+            double const code = layout_t::code(row(t), c);
+            double const value = code * static_cast<double>(layout_t::scale(row(t), g));
+            std::size_t const cc = static_cast<std::size_t>(c);
+            out[cc] += e[static_cast<std::size_t>(t)] * value;
+            magnitude[cc] += e[static_cast<std::size_t>(t)] * std::fabs(value);
+            bound[cc] += a / 254.0 * std::fabs(code);
+          }
+      }
+    }
+    for (int c = 0; c < d; ++c) {
+      std::size_t const cc = static_cast<std::size_t>(c), i = static_cast<std::size_t>(h * d + c);
+      double const b = bound[cc] / z * 1.001 + 1e-5 * magnitude[cc] / z;
+      double const err = std::fabs(got[i] - out[cc] / z);
+      INFO("head " << h << " channel " << c << ": error " << err << ", bound " << b);
+      CHECK(err <= b);
+      err_sum += err;
+      bound_sum += b;
+      differs = differs || got[i] != plain[i];
+    }
+  }
+  CHECK(differs);
+  CHECK(err_sum <= 0.25 * bound_sum);
+}
+
+}  // namespace
+
+TEST_CASE("i8 probabilities stay within the bound of their rounding against float64", "[attention][i8]") {
+  for (int d : {128, 80, 40}) {
+    INFO("head_dim " << d);
+    check_i8_probabilities<kvq::q8_0>(d, 4, 2, 300, 11u + static_cast<std::uint32_t>(d));
+    check_i8_probabilities<kvq::q4_0>(d, 4, 2, 300, 12u + static_cast<std::uint32_t>(d));
+    check_i8_probabilities<kvq::int8_sym>(d, 4, 2, 300, 13u + static_cast<std::uint32_t>(d));
+    check_i8_probabilities<kvq::q4_0>(d, 8, 8, 77, 14u + static_cast<std::uint32_t>(d));
+  }
+}
+
+TEST_CASE("i8 probabilities leave f32, f16 and fp8 values as f32 probabilities do", "[attention][i8]") {
+  kvq::attention_options o;
+  o.probabilities = kvq::probability_precision::i8;
+  auto const check = [&](auto choice) {
+    using Choice = decltype(choice);
+    kvq::QuantizedKVCache<Choice> cache({1, 2, 64, 200});
+    rng r(5);
+    std::vector<float> k(200 * 2 * 64), v(k.size()), q(4 * 64);
+    for (auto& x : k) x = static_cast<float>(r.normal());
+    for (auto& x : v) x = static_cast<float>(r.normal());
+    for (auto& x : q) x = static_cast<float>(r.normal());
+    cache.append(0, kvq::token_major(k.data(), 200, 2, 64), kvq::token_major(v.data(), 200, 2, 64));
+    std::vector<float> a(q.size()), b(q.size());
+    kvq::decode_attention(cache, 0, q.data(), 4, a.data(), o);
+    kvq::decode_attention(cache, 0, q.data(), 4, b.data());
+    CHECK(a == b);
+  };
+  check(kvq::f32_codec{});
+  check(kvq::f16_codec{});
+  check(kvq::fp8_e4m3{});
+  check(kvq::kv_codecs<kvq::q8_0, kvq::kivi_value<4>>{});
 }

@@ -4,7 +4,8 @@
 //   * every codec (and mixed pairs, KIVI with R = 0/32/128 and group sizes that take the
 //     channel-scaled and the decoded key paths, tq2/3/4 read in registers or decoded), head_dim
 //     8/40/80/128, group sizes 1/2/3/4/8, contexts 1 .. 300, sub-ranges that start and end off the
-//     tile grid, window, soft-cap, f16 probabilities;
+//     tile grid, window, soft-cap, f16 probabilities, i8 probabilities (integer P·V: with a q8_0
+//     query and integer key dots the rounded weights equal the reference's, so fp32 tolerance);
 //   * q8_0 query: the q8_0 / q4_0 / int8 key logits equal the reference's bit for bit (the running
 //     max of a one-token range is the scaled logit itself);
 //   * NaN/Inf: NaN and +Inf logits give the reference's NaN heads, -Inf logits weight 0.
@@ -138,6 +139,11 @@ void compare(Cache const& cache, std::vector<float> const& q, int q_heads, std::
   });
 }
 
+/// i8 probabilities over f32 logits: the SIMD and reference probabilities differ in the last
+/// bits, so a weight whose scaled value lies that close to a rounding midpoint rounds the other
+/// way, moving its token's contribution by one step (1/127 of the largest weight of its tile).
+constexpr double i8_flip_tolerance = 2e-3;
+
 struct layout {
   int q_heads, kv_heads;
 };
@@ -174,6 +180,21 @@ void check_choice(std::string const& name, int residual = 128) {
         o = {};
         o.query = kvq::query_precision::q8_0;
         compare(cache, q, lay.q_heads, 0, n, o, 2e-5, what + ", q8_0 query");
+        // Integer weights: with a q8_0 query and integer key dots the logits, probabilities (kvq's
+        // exp) and hence the rounded weights equal the reference's, leaving fp32 rounding; with
+        // f32 logits a weight may round the other way (one step, 1/127 of its group's largest).
+        using key_stored = kvq::stored_codec_t<typename cache_t<Choice>::key_codec>;
+        using value_stored = kvq::stored_codec_t<typename cache_t<Choice>::value_codec>;
+        constexpr bool integer_values = kvq::cpu_kernels::integer_value_codec<value_stored>;
+        o.probabilities = kvq::probability_precision::i8;
+        double const i8_tol = integer_values && !kvq::detail::integer_key_dot<key_stored> ? i8_flip_tolerance : 2e-5;
+        compare(cache, q, lay.q_heads, 0, n, o, i8_tol, what + ", q8_0 query, i8 probabilities");
+        compare(cache, q, lay.q_heads, 5, 171, o, i8_tol, what + ", q8_0 query, i8 probabilities");
+        o.window = 77;
+        compare(cache, q, lay.q_heads, 0, n, o, i8_tol, what + ", q8_0 query, i8 probabilities, window 77");
+        o = {};
+        o.probabilities = kvq::probability_precision::i8;
+        compare(cache, q, lay.q_heads, 0, n, o, integer_values ? i8_flip_tolerance : 2e-5, what + ", i8 probabilities");
       }
     }
   }

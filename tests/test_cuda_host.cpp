@@ -483,6 +483,11 @@ TEST_CASE("cuda host: the paged cache checks before it changes anything", "[cuda
   CHECK_THROWS_AS(
       g.core().attention(0, std::span<kvq::sequence_id const>(ids.data(), 1), q.data(), 3, out.data(), {}, 0),
       kvq::shape_error);
+  kvq::attention_options i8;  // integer P·V: CPU only
+  i8.probabilities = kvq::probability_precision::i8;
+  CHECK_THROWS_AS(
+      g.core().attention(0, std::span<kvq::sequence_id const>(ids.data(), 1), q.data(), 4, out.data(), i8, 0),
+      kvq::unsupported_error);
   rt.control->fail_in = 1;
   CHECK_THROWS_AS(g.append(a, 0, k, k, 1), kvq::device_error);
   CHECK_FALSE(g.core().usable());
@@ -561,6 +566,11 @@ TEST_CASE("cuda host: attention does not depend on the order of a block's thread
     INFO("threads " << threads);
     CHECK(std::memcmp(results[0].data(), results[1].data(), results[0].size() * 4) == 0);
   }
+  host_harness<kvq::q8_0> g({1, 2, 64, 64}, {}, {128, 64}, host_runtime{});
+  g.append(0, kt::kv_data(40, 2, 64, 11), kt::kv_data(40, 2, 64, 12), 40);
+  kvq::attention_options i8;  // integer P·V: CPU only
+  i8.probabilities = kvq::probability_precision::i8;
+  CHECK_THROWS_AS(g.attention(0, kvq_test::normal_data(4 * 64, 3), 4, i8), kvq::unsupported_error);
 }
 
 TEST_CASE("cuda host: attention plan", "[cuda_host]") {

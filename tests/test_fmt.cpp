@@ -29,6 +29,7 @@ TEST_CASE("fmt: attention options and precisions", "[fmt]") {
   o.probabilities = kvq::probability_precision::f16;
   CHECK(fmt::format("{}", o) == "{scale: 0.125, window: 4096, softcap: 30, query: q8_0, probabilities: f16}");
   CHECK(fmt::format("{} {}", kvq::query_precision::f32, kvq::probability_precision::f16) == "f32 f16");
+  CHECK(fmt::format("{}", kvq::probability_precision::i8) == "i8");
 }
 
 TEST_CASE("fmt: codecs and codec pairs by name", "[fmt]") {

@@ -49,6 +49,13 @@ enum class query_precision {
 enum class probability_precision {
   f32,  ///< probabilities as computed
   f16,  ///< probabilities rounded to f16 before multiplying V (sums stay f32)
+  /// Integer P·V (CPU): for q8_0, q4_0 and int8 values, per tile of 32 tokens, query row and value
+  /// scale group, each probability times its token's scale is rounded to an integer in [-127, 127]
+  /// against the group's largest (a relative step of 1/127 of it), the codes are summed against
+  /// those integers exactly and the sums scaled once; sums stay f32 and exact. Tiles with a masked,
+  /// infinite or NaN logit, and other value codecs, take f32 probabilities. The CUDA and Metal
+  /// caches raise unsupported_error.
+  i8,
 };
 
 /// Which tokens each query token of a multi-token attention (kvq::attention) attends.
@@ -239,6 +246,13 @@ struct reference_attention {
         float& m = state.max[g];
         float& sum = state.sum[g];
         float* o = state.out + static_cast<std::size_t>(g) * hd;
+        if constexpr (cpu_kernels::integer_value_codec<VC>) {
+          if (call.i8_weights && t0 + n <= v.quantized && call.unmasked(g, t0, n) &&
+              std::all_of(logits, logits + n, [](float x) { return is_finite_f32(x); })) {
+            integer_tile<VC>(v, t0, n, d, logits, m, sum, o);
+            continue;
+          }
+        }
         for (int i = 0; i < n; ++i) {
           float const s = logits[i];
           if (s == neg_inf) continue;  // weight 0
@@ -254,6 +268,49 @@ struct reference_attention {
           float const* vr = vtile + static_cast<std::size_t>(i) * hd;
           for (int c = 0; c < d; ++c) o[c] = madd_f32(pv, vr[c], o[c]);
         }
+      }
+    }
+  }
+
+  /// One row's tile of n tokens from t0 with integer weights (probability_precision::i8; the
+  /// logits s are finite and unmasked): the running state is rescaled to the tile's max, the
+  /// probabilities are kvq's exp (cpu_kernels::exp_nonpositive_scalar), and each value scale group
+  /// adds step · sum_t w[t] · code[t][c] (cpu_kernels::integer_weights).
+  template <class VC>
+  static void integer_tile(cpu_kernels::token_source const& v, std::int64_t t0, int n, int d, float const* s, float& m,
+                           float& sum, float* o) {
+    using layout = cpu_kernels::integer_value_layout<VC>;
+    float const tmax = *std::max_element(s, s + n);
+    if (tmax > m) {
+      float const corr = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - tmax);
+      for (int c = 0; c < d; ++c) o[c] *= corr;
+      sum *= corr;
+      m = tmax;
+    }
+    float e[attention_tile], scale[attention_tile];
+    std::uint8_t const* rows[attention_tile];
+    for (int i = 0; i < n; ++i) {
+      e[i] = cpu_kernels::exp_nonpositive_scalar(s[i] - m);
+      sum += e[i];
+      rows[i] = v.units + static_cast<std::size_t>(t0 + i) * v.unit_bytes;
+    }
+    int const gc = layout::group(d);
+    for (int g = 0; g * gc < d; ++g) {
+      int const c0 = g * gc, c1 = std::min(d, c0 + gc);
+      for (int i = 0; i < n; ++i) scale[i] = layout::scale(rows[i], g);
+      std::int8_t w[attention_tile];
+      float const step = cpu_kernels::integer_weights(e, scale, n, w);
+      if (step == 0.0f) continue;
+      if (is_nan_f32(step)) {  // f32 products, as with f32 probabilities
+        for (int i = 0; i < n; ++i)
+          for (int c = c0; c < c1; ++c)
+            o[c] = madd_f32(e[i], mul_rn(static_cast<float>(layout::code(rows[i], c)), scale[i]), o[c]);
+        continue;
+      }
+      for (int c = c0; c < c1; ++c) {
+        std::int32_t acc = 0;
+        for (int i = 0; i < n; ++i) acc += static_cast<std::int32_t>(w[i]) * layout::code(rows[i], c);
+        o[c] = madd_f32(step, static_cast<float>(acc), o[c]);
       }
     }
   }
@@ -364,7 +421,17 @@ inline auto attention_call_of(int d, int group, attention_options const& opt) ->
   call.scale = opt.scale > 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(d));
   call.softcap = opt.softcap;
   call.f16_probabilities = opt.probabilities == probability_precision::f16;
+  call.i8_weights = opt.probabilities == probability_precision::i8;
   return call;
+}
+
+/// Whether a GPU attention rounds probabilities to f16 under `opt`; raises unsupported_error for
+/// probability_precision::i8, which the CUDA and Metal kernels do not implement.
+inline auto device_probabilities_f16(attention_options const& opt) -> bool {
+  check<unsupported_error>(opt.probabilities != probability_precision::i8, [] {
+    return std::string("attention: probability_precision::i8 is implemented by the CPU caches only");
+  });
+  return opt.probabilities == probability_precision::f16;
 }
 
 /// Raises shape_error unless q_heads is a positive multiple of kv_heads.

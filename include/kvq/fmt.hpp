@@ -5,7 +5,7 @@
 //   cache_shape          {layers: 32, kv_heads: 8, head_dim: 128, capacity: 8192}
 //   memory_report        436207616 B (keys 285212672, values 150994944, residual 0, alignment 0; 53248 B/token, 6.5
 //   bits/element) nonfinite_report     {key_blocks: 0, value_blocks: 3} attention_options    {scale: auto, window: 0,
-//   softcap: 0, query: f32, probabilities: f32} query_precision, probability_precision   f32, q8_0, f16 a codec or
+//   softcap: 0, query: f32, probabilities: f32} query_precision, probability_precision   f32, q8_0, f16, i8 a codec or
 //   codec pair (an object of the tag type: kvq::q8_0{}, kvq::kivi<4>{})   q8_0, q8_0/q4_0, kivi4
 // Every formatter takes an empty format spec ("{}").
 #pragma once
@@ -28,7 +28,7 @@ constexpr auto name_of(query_precision p) noexcept -> std::string_view {
 
 /// The name of a probability precision.
 constexpr auto name_of(probability_precision p) noexcept -> std::string_view {
-  return p == probability_precision::f16 ? "f16" : "f32";
+  return p == probability_precision::f16 ? "f16" : p == probability_precision::i8 ? "i8" : "f32";
 }
 
 /// A formatter base for kvq's types: accepts only the empty format spec.
@@ -78,7 +78,7 @@ struct fmt::formatter<kvq::query_precision> : kvq::detail::fmt_no_spec {
   }
 };
 
-/// kvq::probability_precision by name (f32, f16).
+/// kvq::probability_precision by name (f32, f16, i8).
 template <>
 struct fmt::formatter<kvq::probability_precision> : kvq::detail::fmt_no_spec {
   auto format(kvq::probability_precision p, fmt::format_context& ctx) const -> decltype(ctx.out()) {

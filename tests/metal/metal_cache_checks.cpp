@@ -390,6 +390,10 @@ void check_choice(report& r, std::string const& name, int d, int residual) {
                "a bad range must raise index_error");
       r.expect(raises([&] { g.attention(0, big.data(), kv + 1, out.data()); }) == "shape",
                "q_heads not a multiple of kv_heads must raise shape_error");
+      kvq::attention_options i8;
+      i8.probabilities = kvq::probability_precision::i8;
+      r.expect(raises([&] { g.attention(0, big.data(), kv, out.data(), i8); }) == "unsupported",
+               "i8 probabilities must raise unsupported_error (CPU only)");
       r.expect(raises([&] { g.truncate(-1); }) == "argument", "truncate(-1) must raise invalid_argument_error");
       if constexpr (cpu_cache::key_codec::layout == kvq::codec_layout::token_group)
         r.expect(raises([&] { g.shift_left(5); }) == "unsupported", "a KIVI shift by 5 must raise unsupported_error");

@@ -174,7 +174,7 @@ auto plan_paged_query_chunks(Core const& core, int layer, std::span<Chunk const>
       pl.plan = l.plan;
       if (l.plan.splits > 0) {
         pl.args = attention_arguments(core.key_side(), core.value_side(), d, kv, q_heads, l.plan, scale, opt.softcap,
-                                      q8, opt.probabilities == probability_precision::f16);
+                                      q8, detail::device_probabilities_f16(opt));
         set_paged_regions(core, layer, pl.args);
         set_query_tokens(pl.args, static_cast<int>(l.tokens), kopt, k.stride);
         if (pages_first < 0) {  // the chunk's page table, once

@@ -73,6 +73,9 @@ struct attention_call {
   float scale = 1.0f;    ///< logit = scale * q.k (then softcap)
   float softcap = 0.0f;  ///< > 0: logit = softcap * tanh(logit / softcap)
   bool f16_probabilities = false;
+  /// Probabilities times the value scales as 8-bit integers per tile (probability_precision::i8):
+  /// see integer_weights; used for integer_value_codec values, others take f32 probabilities.
+  bool i8_weights = false;
   /// Per-row logit offsets (nullptr: none): row r's logit is scale * q.k + row_offset[r], then
   /// softcap (a centered key codec's scale * q.mu, codec/centered.hpp).
   float const* row_offset = nullptr;
@@ -158,6 +161,100 @@ struct attention_scratch {
     scaled.resize(4 * static_cast<std::size_t>(head_dim));
   }
 };
+
+/// e^x for x <= 0 exactly as simd_attention::exp_nonpositive computes each lane (the same
+/// constants and steps, fused where it fuses): the probabilities integer weights are rounded from,
+/// so the scalar reference and every ISA round the same values.
+inline auto exp_nonpositive_scalar(float x) noexcept -> float {
+  bool const tiny = -87.3f > x;
+  x = std::max(x, -87.3f);
+  float const nf = std::nearbyint(x * 1.44269504088896341f);
+  auto const n = static_cast<std::int32_t>(nf);
+  float r = std::fma(nf, -0.693359375f, x);
+  r = std::fma(nf, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  float const rr = r * r;
+  p = std::fma(p, rr, r + 1.0f);
+  float const two_n = std::bit_cast<float>(static_cast<std::uint32_t>(n + 127) << 23);
+  return tiny ? 0.0f : p * two_n;
+}
+
+/// True for the value codecs whose rows are integer codes times one scale per (token, scale
+/// group): with probability_precision::i8 their P·V products run on integers.
+template <class C>
+inline constexpr bool integer_value_codec =
+    std::is_same_v<C, q8_0> || std::is_same_v<C, q4_0> || std::is_same_v<C, int8_sym>;
+
+/// The codes and scales of an integer_value_codec row: channels [g · group(d), (g + 1) · group(d))
+/// share the scale of scale group g; value = code · scale.
+template <class C>
+struct integer_value_layout {
+  static_assert(integer_value_codec<C>, "integer_value_layout: not an integer value codec");
+  static constexpr std::size_t block_bytes =
+      std::is_same_v<C, q8_0> ? sizeof(detail::block_q8_0) : sizeof(detail::block_q4_0);
+  /// Channels per scale group (a q8_0 / q4_0 block, or the whole int8 row).
+  static constexpr auto group(int d) noexcept -> int {
+    if constexpr (std::is_same_v<C, int8_sym>)
+      return d;
+    else
+      return 32;
+  }
+  /// The scale of group g of `row`.
+  static auto scale(std::uint8_t const* row, int g) noexcept -> float {
+    if constexpr (std::is_same_v<C, int8_sym>) {
+      float x;
+      std::memcpy(&x, row, 4);
+      return x;
+    } else {
+      std::uint16_t h;
+      std::memcpy(&h, row + block_bytes * static_cast<std::size_t>(g), 2);
+      return detail::f16_bits_to_f32(h);
+    }
+  }
+  /// The signed code of channel c of `row`.
+  static auto code(std::uint8_t const* row, int c) noexcept -> int {
+    if constexpr (std::is_same_v<C, int8_sym>) {
+      return static_cast<std::int8_t>(row[detail::int8_row_header_bytes + static_cast<std::size_t>(c)]);
+    } else {
+      std::uint8_t const* qs = row + block_bytes * static_cast<std::size_t>(c / 32) + 2;
+      if constexpr (std::is_same_v<C, q8_0>) {
+        return static_cast<std::int8_t>(qs[c % 32]);
+      } else {
+        int const j = c % 32;
+        return (j < 16 ? (qs[j] & 15) : (qs[j - 16] >> 4)) - 8;
+      }
+    }
+  }
+};
+
+/// Integer weights of one (row, scale group) of a tile (probability_precision::i8): with x[t] =
+/// e[t] · s[t] (probability times the token's value scale, rounded to f32) and amax = max |x[t]|,
+/// w[t] = round-to-nearest-even(x[t] · (127 / amax)), in [-127, 127]. Returns the step amax / 127,
+/// by which the integer sums of w[t] · code are multiplied; 0 when every x[t] is 0 (nothing to
+/// add); NaN when some x[t] or 127 / amax is not finite (the caller then adds the f32 products
+/// e[t] · value, as with f32 probabilities).
+inline auto integer_weights(float const* e, float const* s, int n, std::int8_t* w) noexcept -> float {
+  float x[attention_kernel_tile];
+  float amax = 0.0f;
+  bool finite = true;
+  for (int t = 0; t < n; ++t) {
+    x[t] = detail::mul_rn(e[t], s[t]);
+    finite = finite && detail::is_finite_f32(x[t]);
+    amax = std::max(amax, std::fabs(x[t]));
+  }
+  if (!finite) return std::numeric_limits<float>::quiet_NaN();
+  if (amax == 0.0f) return 0.0f;
+  float const inv = 127.0f / amax;
+  if (!detail::is_finite_f32(inv)) return std::numeric_limits<float>::quiet_NaN();
+  for (int t = 0; t < n; ++t)
+    w[t] = static_cast<std::int8_t>(static_cast<int>(std::nearbyint(detail::mul_rn(x[t], inv))));
+  return amax / 127.0f;
+}
 
 namespace simd {
 
@@ -1129,6 +1226,210 @@ struct simd_attention {
     }
   }
 
+  // ---------------------------------------------------------------------------------------------
+  // p . V on integers (probability_precision::i8)
+
+  /// integer_weights over the tile's T lanes (tokens t >= n weigh 0), with the same f32 products
+  /// and roundings, so the weights equal the reference's for equal probabilities.
+  static float quantize_weights(float const* p, float const* sc, int n, std::int8_t* w, std::int32_t& sum) noexcept {
+    vf x[std::size_t{T / W}];
+    vf amax = V::set1(0.0f);
+    vf const big = V::set1(std::numeric_limits<float>::max());
+    unsigned ok = (1u << W) - 1u;
+    for (int j = 0; j < T / W; ++j) {
+      x[j] = V::select_f(V::lanes_below(n - j * W), V::mul_c(V::load(p + j * W), V::load(sc + j * W)), V::set1(0.0f));
+      ok &= V::mask_bits(V::le_f(V::abs(x[j]), big));
+      amax = V::max(amax, V::abs(x[j]));
+    }
+    sum = 0;
+    if (ok != (1u << W) - 1u) return std::numeric_limits<float>::quiet_NaN();
+    float const m = V::reduce_max(amax);
+    if (m == 0.0f) return 0.0f;
+    float const inv = 127.0f / m;
+    if (!detail::is_finite_f32(inv)) return std::numeric_limits<float>::quiet_NaN();
+    vf const iv = V::set1(inv);
+    vf total = V::set1(0.0f);
+    for (int j = 0; j < T / W; ++j) {
+      vi const q = V::cvt_rne(V::mul_c(x[j], iv));
+      total = V::add(total, V::cvt_f(q));  // integers below 2^24: exact
+      V::store_u8(reinterpret_cast<std::uint8_t*>(w) + j * W, q);
+    }
+    sum = static_cast<std::int32_t>(V::reduce_add(total));
+    return m / 127.0f;
+  }
+
+  /// The heads' integer weights of one tile and scale group, NH (at most) at a time.
+  struct weight_block {
+    static constexpr int NH = W >= 16 ? 4 : 2;
+    alignas(64) std::int8_t w[std::size_t{NH}][std::size_t{T}];
+    float step[std::size_t{NH}];
+    std::int32_t sum[std::size_t{NH}];
+  };
+
+  /// o_i[c] += step_i · (sum_t w_i[t] · code_t[c] − bias · sum_i) for NH heads, the K · 16 signed
+  /// byte codes at r[t] + off (channels c, c + 1, ...) of tokens t < n4 (a multiple of 4).
+  template <int NH, int K>
+  static void integer_s8(float* const* o, weight_block const& wb, std::uint8_t const* const* r, int n4, std::size_t off,
+                         int c) noexcept {
+    constexpr int VK = 16 / W;
+    vi acc[std::size_t{NH}][std::size_t{K * VK}];
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < K * VK; ++j) acc[i][j] = V::set1_i(0);
+    for (int t = 0; t < n4; t += 4) {
+      typename V::s8_quad q[std::size_t{K}];
+      if constexpr (K == 2)
+        V::s8_codes2(r + t, off, q[0], q[1]);
+      else
+        q[0] = V::s8_codes(r + t, off);
+      for (int i = 0; i < NH; ++i) {
+        std::int32_t w4;
+        std::memcpy(&w4, wb.w[i] + t, 4);
+        for (int k = 0; k < K; ++k) V::dot_s8(acc[i] + k * VK, q[k], w4);
+      }
+    }
+    for (int i = 0; i < NH; ++i) {
+      if (wb.step[i] == 0.0f) continue;
+      vf const st = V::set1(wb.step[i]);
+      vi const bias = V::set1_i(V::s8_code_bias * wb.sum[i]);
+      for (int j = 0; j < K * VK; ++j) {
+        float* const oc = o[i] + c + j * W;
+        V::store(oc, V::fma(st, V::cvt_f(V::sub_i(acc[i][j], bias)), V::load(oc)));
+      }
+    }
+  }
+
+  /// integer_s8 for q4_0 blocks: the 32 nibble codes of the 16 bytes at r[t] + off (low nibbles
+  /// channels c .. c + 15, high nibbles c + 16 .. c + 31), code = nibble − 8.
+  template <int NH>
+  static void integer_u4(float* const* o, weight_block const& wb, std::uint8_t const* const* r, int n4, std::size_t off,
+                         int c) noexcept {
+    constexpr int VK = 16 / W;
+    vi lo[std::size_t{NH}][std::size_t{VK}], hi[std::size_t{NH}][std::size_t{VK}];
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < VK; ++j) lo[i][j] = hi[i][j] = V::set1_i(0);
+    for (int t = 0; t < n4; t += 4) {
+      auto const q = V::u4_codes(r + t, off);
+      for (int i = 0; i < NH; ++i) {
+        std::int32_t w4;
+        std::memcpy(&w4, wb.w[i] + t, 4);
+        V::dot_u4(lo[i], q.lo, w4);
+        V::dot_u4(hi[i], q.hi, w4);
+      }
+    }
+    for (int i = 0; i < NH; ++i) {
+      if (wb.step[i] == 0.0f) continue;
+      vf const st = V::set1(wb.step[i]);
+      vi const bias = V::set1_i(8 * wb.sum[i]);
+      for (int j = 0; j < VK; ++j) {
+        float* const ol = o[i] + c + j * W;
+        float* const oh = ol + 16;
+        V::store(ol, V::fma(st, V::cvt_f(V::sub_i(lo[i][j], bias)), V::load(ol)));
+        V::store(oh, V::fma(st, V::cvt_f(V::sub_i(hi[i][j], bias)), V::load(oh)));
+      }
+    }
+  }
+
+  /// The channels [c0, c1) of integer_s8 / integer_u4 one by one (tails, ISAs without byte dots).
+  template <class VC>
+  static void integer_channels(float* const* o, int nh, weight_block const& wb, std::uint8_t const* const* r, int n,
+                               int c0, int c1) noexcept {
+    for (int i = 0; i < nh; ++i) {
+      if (wb.step[i] == 0.0f) continue;
+      for (int c = c0; c < c1; ++c) {
+        std::int32_t acc = 0;
+        for (int t = 0; t < n; ++t)
+          acc += static_cast<std::int32_t>(wb.w[i][t]) * integer_value_layout<VC>::code(r[t], c);
+        o[i][c] = detail::madd_f32(wb.step[i], static_cast<float>(acc), o[i][c]);
+      }
+    }
+  }
+
+  /// o_h += P·V for every row of the group with integer weights (probability_precision::i8) over
+  /// the n quantized value rows `rows` of one tile of an integer_value_codec VC: per scale group,
+  /// each row's probabilities times the tokens' scales are rounded to weights (quantize_weights),
+  /// the codes summed against them exactly and the sums scaled once; the reference's
+  /// integer_tile computes the same (f32 products where a weight is not finite).
+  template <class VC>
+  static void accumulate_integer(float* out, int d, int group, float const* probs, std::uint8_t const* const* rows,
+                                 int n) noexcept {
+    using layout = integer_value_layout<VC>;
+    constexpr int NH = weight_block::NH;
+    int const n4 = (n + 3) & ~3;
+    std::uint8_t const* r[T];
+    for (int t = 0; t < n4; ++t) r[t] = rows[t < n ? t : 0];  // weight 0 past n
+    alignas(64) float sc[T] = {};
+    weight_block wb;
+    int const gc = layout::group(d);
+    int const groups = (d + gc - 1) / gc;
+    // The f16 scales of up to 8 blocks (head_dim 256), gathered row by row (each row's lines are
+    // touched once, together), then converted W at a time per block.
+    constexpr int gathered = 8;
+    alignas(64) std::uint16_t hs[gathered][T];
+    if constexpr (!std::is_same_v<VC, int8_sym>) {
+      if (groups <= gathered) {
+        for (int g = 0; g < groups; ++g) std::memset(hs[g] + n, 0, 2 * static_cast<std::size_t>(T - n));
+        for (int t = 0; t < n; ++t)
+          for (int g = 0; g < groups; ++g)
+            std::memcpy(hs[g] + t, r[t] + layout::block_bytes * static_cast<std::size_t>(g), 2);
+      }
+    }
+    for (int g = 0; g < groups; ++g) {
+      int const c0 = g * gc, c1 = std::min(d, c0 + gc);
+      if constexpr (std::is_same_v<VC, int8_sym>) {
+        for (int t = 0; t < n; ++t) sc[t] = layout::scale(r[t], 0);
+      } else {
+        if (groups > gathered)
+          for (int t = 0; t < n; ++t) sc[t] = scale_at(r[t] + layout::block_bytes * static_cast<std::size_t>(g));
+        else
+          for (int t = 0; t < T; t += W) V::store(sc + t, V::f16_load_hw(hs[g] + t));
+      }
+      for (int h0 = 0; h0 < group; h0 += NH) {
+        int const nh = std::min(NH, group - h0);
+        float* o[std::size_t{NH}];
+        for (int i = 0; i < nh; ++i) {
+          int const h = h0 + i;
+          o[i] = out + static_cast<std::ptrdiff_t>(h) * d;
+          float const* p = probs + h * T;
+          wb.step[i] = quantize_weights(p, sc, n, wb.w[i], wb.sum[i]);
+          if (detail::is_nan_f32(wb.step[i])) {  // f32 products, as the reference
+            for (int t = 0; t < n; ++t)
+              for (int c = c0; c < c1; ++c)
+                o[i][c] =
+                    detail::madd_f32(p[t], detail::mul_rn(static_cast<float>(layout::code(r[t], c)), sc[t]), o[i][c]);
+            wb.step[i] = 0.0f;
+          }
+          if (wb.step[i] == 0.0f) std::memset(wb.w[i], 0, T);
+        }
+        for (int i = nh; i < NH; ++i) {  // idle rows: weight 0, output not written
+          o[i] = o[0];
+          wb.step[i] = 0.0f;
+          wb.sum[i] = 0;
+          std::memset(wb.w[i], 0, T);
+        }
+        int c = c0;
+        if constexpr (V::integer_value_dots) {
+          with_head_count(nh, [&](auto k) {
+            constexpr int K = std::min<int>(decltype(k)::value, NH);
+            if constexpr (std::is_same_v<VC, q4_0>) {
+              if (c + 32 <= c1) {
+                integer_u4<K>(o, wb, r, n4, layout::block_bytes * static_cast<std::size_t>(g) + 2, c);
+                c += 32;
+              }
+            } else {
+              std::size_t const base =
+                  std::is_same_v<VC, int8_sym>
+                      ? detail::int8_row_header_bytes
+                      : layout::block_bytes * static_cast<std::size_t>(g) + 2 - static_cast<std::size_t>(c0);
+              for (; c + 32 <= c1; c += 32) integer_s8<K, 2>(o, wb, r, n4, base + static_cast<std::size_t>(c), c);
+              for (; c + 16 <= c1; c += 16) integer_s8<K, 1>(o, wb, r, n4, base + static_cast<std::size_t>(c), c);
+            }
+          });
+        }
+        integer_channels<VC>(o, nh, wb, r, n, c, c1);
+      }
+    }
+  }
+
   /// Calls f(loader, first, count) for the value rows of tokens [tb, tb + n), segment by segment.
   template <class VC, class F>
   static void with_value_rows(token_source const& v, typename VC::params_type const& vp, int d, std::int64_t tb, int n,
@@ -1231,7 +1532,7 @@ struct simd_attention {
     }
     float total = V::reduce_add(acc);
     for (; t < n; ++t) {
-      float const e = std::exp(s[t] - m);
+      float const e = call.i8_weights ? exp_nonpositive_scalar(s[t] - m) : std::exp(s[t] - m);
       total += e;
       p[t] = call.f16_probabilities ? detail::f16_bits_to_f32(detail::f32_to_f16_bits(e)) : e;
     }
@@ -1257,9 +1558,11 @@ struct simd_attention {
   /// of one kv head, updating `state`.
   template <class KC, class VC>
   static void attend(token_source const& k, typename KC::params_type const& kp, token_source const& v,
-                     typename VC::params_type const& vp, attention_call const& call, float const* q,
+                     typename VC::params_type const& vp, attention_call const& options, float const* q,
                      detail::block_q8_0 const* qb, std::int64_t begin, std::int64_t end, attention_state const& state,
                      attention_scratch& s) noexcept {
+    attention_call call = options;
+    call.i8_weights = call.i8_weights && integer_value_codec<VC>;  // others: f32 probabilities, as given
     int const d = call.head_dim;
     int const group = call.group;
     tile_rows tr;
@@ -1299,7 +1602,14 @@ struct simd_attention {
       }
       with_value_rows<VC>(v, vp, d, tb, n, s, tr, [&](auto const& rows, int first, int m) {
         using loader = std::decay_t<decltype(rows)>;
-        if (group >= many_rows && !std::is_same_v<loader, f32_rows>) {  // decoded once for the many rows
+        bool integer = false;
+        if constexpr (integer_value_codec<VC> && !std::is_same_v<loader, f16_rows> &&
+                      !std::is_same_v<loader, f32_rows>) {
+          integer = call.i8_weights && first == 0 && m == n;
+          if (integer) accumulate_integer<VC>(state.out, d, group, s.probs.data(), rows.rows, m);
+        }
+        if (integer) {
+        } else if (group >= many_rows && !std::is_same_v<loader, f32_rows>) {  // decoded once for the many rows
           decode_rows<loader>(rows, m, d, s.dense.data());
           std::uint8_t const* ptrs[T];
           for (int r = 0; r < m; ++r)

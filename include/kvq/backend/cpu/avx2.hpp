@@ -413,6 +413,68 @@ struct ops {
       out[h] = _mm256_add_epi32(_mm256_permute2x128_si256(r0, r1, 0x20), _mm256_permute2x128_si256(r0, r1, 0x31));
     }
   }
+
+  // Integer P·V (attention_kernels.hpp accumulate_integer, probability_precision::i8): the codes
+  // of four tokens and 16 channels, transposed so that 32-bit lane c of vector c / 8 holds channel
+  // c's codes of the four tokens in order, times four weight bytes (one per token) in every lane.
+  static constexpr bool integer_value_dots = true;
+  /// Tokens r[0..3]'s 16 bytes at offset off, transposed: lane c of y[c / 8] holds byte c of each.
+  static void transpose_quad(std::uint8_t const* const* r, std::size_t off, vi* y) noexcept {
+    auto const at = [&](int j) { return _mm_loadu_si128(reinterpret_cast<__m128i const*>(r[j] + off)); };
+    __m256i const a = _mm256_inserti128_si256(_mm256_castsi128_si256(at(0)), at(2), 1);
+    __m256i const b = _mm256_inserti128_si256(_mm256_castsi128_si256(at(1)), at(3), 1);
+    // unpack: [t0 t1 t0 t1 | t2 t3 t2 t3] words of bytes 4j..4j+3; the 64-bit permute puts the four
+    // tokens' word j together per 128-bit lane; then byte 4i + k <- byte 4k + i within each lane.
+    __m256i const pat =
+        _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    y[0] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(_mm256_unpacklo_epi32(a, b), 0xd8), pat);
+    y[1] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(_mm256_unpackhi_epi32(a, b), 0xd8), pat);
+  }
+  /// Signed codes as |code| and the weight with the code's sign: a pair of products fits 16 bits.
+  static constexpr int s8_code_bias = 0;
+  struct s8_quad {
+    __m256i a[2], s[2];
+  };
+  static s8_quad s8_codes(std::uint8_t const* const* r, std::size_t off) noexcept {
+    s8_quad q;
+    transpose_quad(r, off, q.s);
+    q.a[0] = _mm256_abs_epi8(q.s[0]);
+    q.a[1] = _mm256_abs_epi8(q.s[1]);
+    return q;
+  }
+  /// s8_codes of the bytes [off, off + 16) into a and of [off + 16, off + 32) into b.
+  static void s8_codes2(std::uint8_t const* const* r, std::size_t off, s8_quad& a, s8_quad& b) noexcept {
+    a = s8_codes(r, off);
+    b = s8_codes(r, off + 16);
+  }
+  /// acc[j] lane c += sum over the four tokens of weight byte k of w4 times code (exact).
+  static void dot_s8(vi* acc, s8_quad const& q, std::int32_t w4) noexcept {
+    __m256i const w = _mm256_set1_epi32(w4), one = _mm256_set1_epi16(1);
+    for (int j = 0; j < 2; ++j)
+      acc[j] =
+          _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(q.a[j], _mm256_sign_epi8(w, q.s[j])), one));
+  }
+  static void dot_u4(vi* acc, vi const* nib, std::int32_t w4) noexcept {
+    __m256i const w = _mm256_set1_epi32(w4), one = _mm256_set1_epi16(1);
+    for (int j = 0; j < 2; ++j)
+      acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(nib[j], w), one));
+  }
+  /// The 32 nibbles of tokens r[0..3]'s 16 bytes at off: lo holds the four tokens' low nibbles
+  /// (channels 0-15 of a q4_0 block), hi their high nibbles (channels 16-31).
+  struct u4_quad {
+    __m256i lo[2], hi[2];
+  };
+  static u4_quad u4_codes(std::uint8_t const* const* r, std::size_t off) noexcept {
+    __m256i x[2];
+    transpose_quad(r, off, x);
+    __m256i const m = _mm256_set1_epi8(15);
+    u4_quad q;
+    for (int j = 0; j < 2; ++j) {
+      q.lo[j] = _mm256_and_si256(x[j], m);
+      q.hi[j] = _mm256_and_si256(_mm256_srli_epi16(x[j], 4), m);
+    }
+    return q;
+  }
 };
 
 KVQ_CPU_DEFINE_ENTRY_POINTS(ops)

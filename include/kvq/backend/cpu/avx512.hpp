@@ -463,6 +463,91 @@ struct ops {
       out[h] = _mm512_permutexvar_epi32(order, s);
     }
   }
+
+  // Integer P·V (attention_kernels.hpp accumulate_integer, probability_precision::i8): the codes
+  // of four tokens and 16 channels, transposed so that 32-bit lane c holds channel c's codes of the
+  // four tokens in order, times four weight bytes (one per token) broadcast to every lane.
+  static constexpr bool integer_value_dots = true;
+  /// Tokens r[0..3]'s 16 bytes at offset off, transposed: lane c holds byte c of each token.
+  static __m512i transpose_quad(std::uint8_t const* const* r, std::size_t off) noexcept {
+    auto const at = [&](int j) { return _mm_loadu_si128(reinterpret_cast<__m128i const*>(r[j] + off)); };
+    __m512i x = _mm512_castsi128_si512(at(0));
+    x = _mm512_inserti32x4(x, at(1), 1);
+    x = _mm512_inserti32x4(x, at(2), 2);
+    x = _mm512_inserti32x4(x, at(3), 3);
+    // 32-bit lane 4j + k <- token k's bytes 4j .. 4j + 3; then within each 128-bit lane, byte
+    // 4i + k <- byte 4k + i.
+    x = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), x);
+    return _mm512_shuffle_epi8(
+        x, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)));
+  }
+#  if defined(__AVX512VNNI__)
+  /// Signed codes as code + 128 (unsigned): dot_s8 then sums w · code + 128 · w.
+  static constexpr int s8_code_bias = 128;
+  struct s8_quad {
+    __m512i u;
+  };
+  static s8_quad s8_codes(std::uint8_t const* const* r, std::size_t off) noexcept {
+    return {_mm512_xor_si512(transpose_quad(r, off), _mm512_set1_epi8(-128))};
+  }
+  /// acc[0] lane c += sum over the four tokens of weight byte k of w4 times code (VPDPBUSD, exact).
+  static void dot_s8(vi* acc, s8_quad const& q, std::int32_t w4) noexcept {
+    acc[0] = _mm512_dpbusd_epi32(acc[0], q.u, _mm512_set1_epi32(w4));
+  }
+  static void dot_u4(vi* acc, vi const* nib, std::int32_t w4) noexcept {
+    acc[0] = _mm512_dpbusd_epi32(acc[0], nib[0], _mm512_set1_epi32(w4));
+  }
+#  else
+  /// Signed codes as |code| and the weight with the code's sign: a pair of products fits 16 bits.
+  static constexpr int s8_code_bias = 0;
+  struct s8_quad {
+    __m512i a;
+    __mmask64 neg;
+  };
+  static s8_quad s8_codes(std::uint8_t const* const* r, std::size_t off) noexcept {
+    __m512i const x = transpose_quad(r, off);
+    return {_mm512_abs_epi8(x), _mm512_movepi8_mask(x)};
+  }
+  static void dot_s8(vi* acc, s8_quad const& q, std::int32_t w4) noexcept {
+    __m512i const w = _mm512_set1_epi32(w4);
+    acc[0] = _mm512_add_epi32(
+        acc[0], _mm512_madd_epi16(_mm512_maddubs_epi16(q.a, _mm512_mask_sub_epi8(w, q.neg, _mm512_setzero_si512(), w)),
+                                  _mm512_set1_epi16(1)));
+  }
+  static void dot_u4(vi* acc, vi const* nib, std::int32_t w4) noexcept {
+    acc[0] = _mm512_add_epi32(
+        acc[0], _mm512_madd_epi16(_mm512_maddubs_epi16(nib[0], _mm512_set1_epi32(w4)), _mm512_set1_epi16(1)));
+  }
+#  endif
+  /// s8_codes of the bytes [off, off + 16) into a and of [off + 16, off + 32) into b.
+  static void s8_codes2(std::uint8_t const* const* r, std::size_t off, s8_quad& a, s8_quad& b) noexcept {
+#  if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+    // Two tokens' 32 bytes per register; one two-source byte permute per 16 channels.
+    auto const at = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<__m256i const*>(r[j] + off)); };
+    __m512i const x0 = _mm512_inserti64x4(_mm512_castsi256_si512(at(0)), at(1), 1);
+    __m512i const x1 = _mm512_inserti64x4(_mm512_castsi256_si512(at(2)), at(3), 1);
+    alignas(64) static constexpr std::uint8_t order[64] = {
+        0,  32,  64, 96,  1,  33,  65, 97,  2,  34,  66, 98,  3,  35,  67, 99,  4,  36,  68, 100, 5,  37,
+        69, 101, 6,  38,  70, 102, 7,  39,  71, 103, 8,  40,  72, 104, 9,  41,  73, 105, 10, 42,  74, 106,
+        11, 43,  75, 107, 12, 44,  76, 108, 13, 45,  77, 109, 14, 46,  78, 110, 15, 47,  79, 111};
+    __m512i const lo = _mm512_load_si512(order), hi = _mm512_add_epi8(lo, _mm512_set1_epi8(16));
+    __m512i const flip = _mm512_set1_epi8(-128);
+    a.u = _mm512_xor_si512(_mm512_permutex2var_epi8(x0, lo, x1), flip);
+    b.u = _mm512_xor_si512(_mm512_permutex2var_epi8(x0, hi, x1), flip);
+#  else
+    a = s8_codes(r, off);
+    b = s8_codes(r, off + 16);
+#  endif
+  }
+  /// The 32 nibbles of tokens r[0..3]'s 16 bytes at off: lo[0] lane c holds the four tokens' low
+  /// nibbles of byte c (channel c of a q4_0 block), hi[0] their high nibbles (channel 16 + c).
+  struct u4_quad {
+    __m512i lo[1], hi[1];
+  };
+  static u4_quad u4_codes(std::uint8_t const* const* r, std::size_t off) noexcept {
+    __m512i const x = transpose_quad(r, off), m = _mm512_set1_epi8(15);
+    return {{_mm512_and_si512(x, m)}, {_mm512_and_si512(_mm512_srli_epi16(x, 4), m)}};
+  }
 };
 
 #  if defined(__GNUC__) && !defined(__clang__)

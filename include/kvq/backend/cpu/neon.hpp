@@ -340,6 +340,8 @@ struct ops {
     for (int h = 0; h < NH; ++h)
       out[h] = vpaddq_s32(vpaddq_s32(acc[h][0], acc[h][1]), vpaddq_s32(acc[h][2], acc[h][3]));
   }
+  /// No byte-dot kernels for integer P·V here: attention_kernels.hpp sums the codes in scalar code.
+  static constexpr bool integer_value_dots = false;
 };
 
 KVQ_CPU_DEFINE_ENTRY_POINTS(ops)

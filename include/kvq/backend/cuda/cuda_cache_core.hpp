@@ -524,7 +524,7 @@ void cuda_attention_batch(std::span<cuda_cache_core<Choice, Runtime>* const> cac
 
   kvq_attention_args const a =
       attention_arguments(core0.key_side(), core0.value_side(), d, shape.kv_heads, q_heads, plan, scale, opt.softcap,
-                          opt.query == query_precision::q8_0, opt.probabilities == probability_precision::f16);
+                          opt.query == query_precision::q8_0, detail::device_probabilities_f16(opt));
   kvq_cuda::attention_batch b{};
   b.part_out = scratch;
   b.part_max = scratch + per_launch * qd;
@@ -594,7 +594,7 @@ void cuda_attention_tokens(cuda_cache_core<Choice, Runtime>& c, int layer, float
     kvq_cuda::attention_batch b{};
     if (l.plan.splits > 0) {  // else no query of the launch attends anything: zeros
       a = attention_arguments(core.key_side(), core.value_side(), d, shape.kv_heads, q_heads, l.plan, scale,
-                              opt.softcap, q8, opt.probabilities == probability_precision::f16);
+                              opt.softcap, q8, detail::device_probabilities_f16(opt));
       set_query_tokens(a, static_cast<int>(l.tokens), kopt, kopt.mask_stride);
       b.seq[0] = attention_sequence(core.key_side(), core.value_side(), core.state(layer), l.begin, l.end);
       b.seq[0].first_pos = static_cast<std::int32_t>(first + l.first);

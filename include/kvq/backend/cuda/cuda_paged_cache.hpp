@@ -134,7 +134,7 @@ class cuda_paged_cache_core : public cache_codecs<Choice> {
     paged_attention_launch L;
     check<invalid_argument_error>(
         plan_paged_attention(core_, layer, seqs, q_heads, opt.window, scale, opt.softcap,
-                             opt.query == query_precision::q8_0, opt.probabilities == probability_precision::f16,
+                             opt.query == query_precision::q8_0, detail::device_probabilities_f16(opt),
                              flat_type::attention_device(runtime(), opt_), L),
         [&] { return "attention: the shared memory of a block is too small for head_dim " + std::to_string(d); });
     std::size_t const batch = seqs.size();

@@ -816,7 +816,7 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
       if (l.plan.splits == 0) continue;
       detail::metal_attention_dispatch x;
       x.args = detail::attention_arguments(core_.key_side(), core_.value_side(), d, shape().kv_heads, q_heads, l.plan,
-                                           scale, opt.softcap, q8, opt.probabilities == probability_precision::f16);
+                                           scale, opt.softcap, q8, detail::device_probabilities_f16(opt));
       detail::set_query_tokens(x.args, static_cast<int>(l.tokens), kopt, kopt.mask_stride);
       x.plan = l.plan;
       x.seq = detail::attention_sequence(core_.key_side(), core_.value_side(), core_.state(layer), l.begin, l.end);
@@ -979,7 +979,7 @@ class QuantizedKVCache<Choice, metal> : public cache_codecs<Choice> {
     ensure_scratch((splits * qd + 2 * splits * static_cast<std::size_t>(q_heads)) * 4);
     x.args = detail::attention_arguments(core_.key_side(), core_.value_side(), d, shape().kv_heads, q_heads, x.plan,
                                          scale, opt.softcap, opt.query == query_precision::q8_0,
-                                         opt.probabilities == probability_precision::f16);
+                                         detail::device_probabilities_f16(opt));
     x.seq = detail::attention_sequence(core_.key_side(), core_.value_side(), core_.state(layer), begin, end);
     x.rows = static_cast<std::size_t>(q_heads);
     x.q_offset = q_off;
@@ -1128,8 +1128,8 @@ class PagedKVCache<Choice, metal> : public cache_codecs<Choice> {
     detail::paged_attention_launch L;
     detail::check<invalid_argument_error>(
         detail::plan_paged_attention(core_, layer, seqs, q_heads, opt.window, scale, opt.softcap,
-                                     opt.query == query_precision::q8_0,
-                                     opt.probabilities == probability_precision::f16, K.device(d, 0), L),
+                                     opt.query == query_precision::q8_0, detail::device_probabilities_f16(opt),
+                                     K.device(d, 0), L),
         [&] {
           return "attention: the threadgroup memory of this device is too small for head_dim " + std::to_string(d);
         });
