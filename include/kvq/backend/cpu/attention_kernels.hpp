@@ -1367,7 +1367,8 @@ struct simd_attention {
     alignas(64) std::uint16_t hs[gathered][T];
     if constexpr (!std::is_same_v<VC, int8_sym>) {
       if (groups <= gathered) {
-        for (int g = 0; g < groups; ++g) std::memset(hs[g] + n, 0, 2 * static_cast<std::size_t>(T - n));
+        if (n < T)
+          for (int g = 0; g < groups; ++g) std::memset(hs[g] + n, 0, 2 * static_cast<std::size_t>(T - n));
         for (int t = 0; t < n; ++t)
           for (int g = 0; g < groups; ++g)
             std::memcpy(hs[g] + t, r[t] + layout::block_bytes * static_cast<std::size_t>(g), 2);
@@ -1399,12 +1400,6 @@ struct simd_attention {
             wb.step[i] = 0.0f;
           }
           if (wb.step[i] == 0.0f) std::memset(wb.w[i], 0, T);
-        }
-        for (int i = nh; i < NH; ++i) {  // idle rows: weight 0, output not written
-          o[i] = o[0];
-          wb.step[i] = 0.0f;
-          wb.sum[i] = 0;
-          std::memset(wb.w[i], 0, T);
         }
         int c = c0;
         if constexpr (V::integer_value_dots) {
