@@ -147,16 +147,20 @@ constexpr double i8_flip_tolerance = 2e-3;
 struct layout {
   int q_heads, kv_heads;
 };
-constexpr layout layouts[] = {{4, 4}, {8, 2}, {6, 2}, {4, 2}, {8, 1}};
+constexpr layout layouts[] = {{4, 4}, {8, 2}, {6, 2}, {4, 2}, {8, 1}, {40, 1}};
 
 /// The full matrix for one codec choice.
 template <class Choice>
 void check_choice(std::string const& name, int residual = 128) {
   REQUIRE(kernel_count() > 0);
-  std::uint32_t seed = 7;
+  std::uint32_t base_seed = 7, many_seed = 7000;
   for (int d : {128, 80, 40, 8}) {
     for (auto const& lay : layouts) {
       if (d != 128 && lay.q_heads == 6) continue;  // keep the run short: group 3 at head_dim 128 only
+      // Group 40: the transposed many-row path (rows padded to whole vectors) at two head dims,
+      // with seeds of its own (the other layouts keep their data).
+      if (lay.q_heads == 40 && d != 80 && d != 40) continue;
+      std::uint32_t& seed = lay.q_heads == 40 ? many_seed : base_seed;
       for (std::int64_t n : {std::int64_t{1}, std::int64_t{33}, std::int64_t{300}}) {
         auto const cache = make_cache<Choice>(lay.kv_heads, d, n, residual, ++seed);
         auto const q = queries(lay.q_heads, d, ++seed);
@@ -377,27 +381,29 @@ TEST_CASE("SIMD attention: batched integer key dots equal integer_dot_row bit fo
 }
 
 TEST_CASE("SIMD attention: NaN and infinite logits as the reference", "[attention_kernels]") {
-  int const d = 64, kv = 2, qh = 4;
+  int const d = 64, kv = 2;
   std::int64_t const n = 100;
-  auto q = queries(qh, d, 3);
-  for (auto& x : q) x = std::fabs(x);  // positive channels: the sign of an infinite key decides the logit
-  for (float poison : {std::numeric_limits<float>::quiet_NaN(), inf_f, -inf_f}) {
-    std::mt19937 gen(11);
-    std::normal_distribution<float> nd;
-    std::vector<float> k(static_cast<std::size_t>(n) * kv * d), v(k.size());
-    for (auto& x : k) x = nd(gen);
-    for (auto& x : v) x = nd(gen);
-    k[static_cast<std::size_t>(40 * kv + 1) * d + 5] = poison;  // token 40, kv head 1
-    kvq::QuantizedKVCache<kvq::f32_codec> cache({2, kv, d, n});
-    cache.append(1, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
-    compare(cache, q, qh, 0, n, {}, 2e-5, "f32 keys poisoned with " + std::to_string(poison));
-    // NaN in a value row reaches every head of that kv head through the weighted sum.
-    std::vector<float> v2 = v;
-    v2[static_cast<std::size_t>(70 * kv) * d + 9] = std::numeric_limits<float>::quiet_NaN();
-    kvq::QuantizedKVCache<kvq::f16_codec> c2({2, kv, d, n});
-    c2.append(1, kvq::token_major(v.data(), n, kv, d), kvq::token_major(v2.data(), n, kv, d));
-    compare(c2, q, qh, 0, n, {}, 2e-5, "NaN value");
-  }
+  for (int qh : {4, 68})  // group 2, and group 34 (the transposed many-row path)
+    for (float poison : {std::numeric_limits<float>::quiet_NaN(), inf_f, -inf_f}) {
+      INFO(qh << " query heads");
+      auto q = queries(qh, d, 3);
+      for (auto& x : q) x = std::fabs(x);  // positive channels: the sign of an infinite key decides the logit
+      std::mt19937 gen(11);
+      std::normal_distribution<float> nd;
+      std::vector<float> k(static_cast<std::size_t>(n) * kv * d), v(k.size());
+      for (auto& x : k) x = nd(gen);
+      for (auto& x : v) x = nd(gen);
+      k[static_cast<std::size_t>(40 * kv + 1) * d + 5] = poison;  // token 40, kv head 1
+      kvq::QuantizedKVCache<kvq::f32_codec> cache({2, kv, d, n});
+      cache.append(1, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+      compare(cache, q, qh, 0, n, {}, 2e-5, "f32 keys poisoned with " + std::to_string(poison));
+      // NaN in a value row reaches every head of that kv head through the weighted sum.
+      std::vector<float> v2 = v;
+      v2[static_cast<std::size_t>(70 * kv) * d + 9] = std::numeric_limits<float>::quiet_NaN();
+      kvq::QuantizedKVCache<kvq::f16_codec> c2({2, kv, d, n});
+      c2.append(1, kvq::token_major(v.data(), n, kv, d), kvq::token_major(v2.data(), n, kv, d));
+      compare(c2, q, qh, 0, n, {}, 2e-5, "NaN value");
+    }
 }
 
 TEST_CASE("SIMD attention: fp8 with a scale, and E5M2 infinities", "[attention_kernels]") {

@@ -16,7 +16,10 @@
 //     reduction), and the lanes take the reference's float steps block by block, so those logits
 //     equal the scalar reference bit for bit;
 //   * softmax is updated once per tile per head (vector exp); values are decoded into an f32 tile
-//     and accumulated with FMAs; everything accumulates in fp32.
+//     and accumulated with FMAs; everything accumulates in fp32;
+//   * many rows (multi-token attention: query tokens x heads) take transposed tiles instead
+//     (attend_transposed): the query transposed once, logits as (tokens, rows) from outer products,
+//     the softmax on vectors of rows, p . V from the transposed probabilities.
 // Results match attention.hpp's scalar reference within fp32 rounding (FMA contraction, a
 // polynomial exp with ~2 ulp error, another summation order); a tile whose logits hold a NaN or +Inf
 // takes the reference's per-token path so the NaN/Inf semantics are the reference's.
@@ -151,6 +154,11 @@ struct attention_scratch {
   detail::vector<float> dense;           // (tile, head_dim): values decoded once for many rows
   detail::vector<float> q_scale;         // (group, blocks): a q8_0 query's block scales as f32
   detail::vector<std::int32_t> q_sum;    // (group, blocks): its block code sums
+  // Many query rows (simd_attention::attend_transposed), rows padded to whole vectors (rp):
+  detail::vector<float> query_t;   // (head_dim, rp): the query transposed
+  detail::vector<float> logits_t;  // (tile, rp)
+  detail::vector<float> probs_t;   // (tile, rp)
+  detail::vector<float> rows_t;    // (7, rp): max, sum, correction, offset, first and end token, special
   void reserve(int head_dim, int group) {
     dense.resize(static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim));
     special_values.resize(static_cast<std::size_t>(attention_kernel_tile) * static_cast<std::size_t>(head_dim));
@@ -1026,11 +1034,13 @@ struct simd_attention {
       }
   }
 
-  /// Raw logits (before scale) of tokens [tb, tb + n) for every head of the group.
-  template <class KC>
+  /// Raw logits (before scale) of tokens [tb, tb + n) for every head of the group, in s.logits
+  /// (group, T); segments of key rows that reach f32 arithmetic go through dot(loader, m, off),
+  /// which must write the logits of the loader's m rows, tile tokens [off, off + m).
+  template <class KC, class Dot>
   static void tile_logits(token_source const& k, typename KC::params_type const& kp, attention_call const& call,
                           float const* q, detail::block_q8_0 const* qb, std::int64_t tb, int n, attention_scratch& s,
-                          tile_rows& tr) noexcept {
+                          tile_rows& tr, Dot&& dot) noexcept {
     int const d = call.head_dim;
     float* const logits = s.logits.data();
     int i = 0;
@@ -1038,7 +1048,7 @@ struct simd_attention {
       std::int64_t const t = tb + i;
       if (t >= k.quantized) {  // f16 residual rows (KIVI keys)
         int const m = n - i;
-        with_residual_rows(k, d, t, m, tr, [&](auto const& rows) { dot_rows(q, d, call.group, rows, m, i, logits); });
+        with_residual_rows(k, d, t, m, tr, [&](auto const& rows) { dot(rows, m, i); });
         i += m;
         continue;
       }
@@ -1056,7 +1066,7 @@ struct simd_attention {
           simd_codecs<V>::template decode_tile_tokens<KC>(tp, d, first, m, s.keys.data(), d, kp);
           for (int r = 0; r < m; ++r)
             tr.rows[r] = reinterpret_cast<std::uint8_t const*>(s.keys.data() + static_cast<std::ptrdiff_t>(r) * d);
-          dot_rows(q, d, call.group, f32_rows{tr.rows}, m, i, logits);
+          dot(f32_rows{tr.rows}, m, i);
         }
         i += m;
       } else {
@@ -1093,14 +1103,14 @@ struct simd_attention {
               !std::is_same_v<loader, f32_rows> && (call.group >= many_rows || (scaled && call.group % H4 != 0));
           if (!decode_once) {
             // Each key vector decoded in registers once for H4 heads (W / H4 tokens at a time).
-            dot_rows(q, d, call.group, rows, m, i, logits);
+            dot(rows, m, i);
           } else {  // many rows, or scaled codes: decode once into the f32 tile (the dot's registers go to the tokens)
             float* const buf = s.keys.data();
             decode_rows<loader>(rows, m, d, buf);
             std::uint8_t const* ptrs[T];
             for (int r = 0; r < m; ++r)
               ptrs[r] = reinterpret_cast<std::uint8_t const*>(buf + static_cast<std::ptrdiff_t>(r) * d);
-            dot_rows(q, d, call.group, f32_rows{ptrs}, m, i, logits);
+            dot(f32_rows{ptrs}, m, i);
           }
         });
         i += m;
@@ -1111,16 +1121,25 @@ struct simd_attention {
   // ---------------------------------------------------------------------------------------------
   // p . V
 
-  /// o_(h0+i)[c0 + j W ...] += sum_t p_(h0+i)[t] * v_t for i < NH heads, NC chunks of W channels.
-  template <int NH, int NC, class L>
-  static void accumulate_tile(float* const* o, float const* const* p, L const& v, int n, int c0) noexcept {
+  /// The probabilities of consecutive rows: row i's of tile token t at p[i HS + t ps] (HS = T, ps =
+  /// 1: row-major (rows, T); HS = 1, ps = rp: transposed (T, rp)), so a token's rows need one pointer.
+  template <int HS>
+  struct prob_rows {
+    float const* p;
+    std::ptrdiff_t ps;
+    float at(int i, int t) const noexcept { return p[t * ps + i * HS]; }
+  };
+
+  /// o_(h0+i)[c0 + j W ...] += sum_t p.at(i, t) * v_t for i < NH heads, NC chunks of W channels.
+  template <int NH, int NC, class L, class P>
+  static void accumulate_tile(float* const* o, P const& p, L const& v, int n, int c0) noexcept {
     vf acc[std::size_t{NH}][std::size_t{NC}];
     for (int i = 0; i < NH; ++i)
       for (int j = 0; j < NC; ++j) acc[i][j] = V::load(o[i] + c0 + j * W);
     using prep = decltype(v.prepare(0, 0));
     for (int t = 0; t < n; ++t) {
       vf pv[std::size_t{NH}];
-      for (int i = 0; i < NH; ++i) pv[i] = V::set1(p[i][t]);
+      for (int i = 0; i < NH; ++i) pv[i] = V::set1(p.at(i, t));
       prep pr = v.prepare(t, c0);
       for (int j = 0; j < NC; ++j) {
         if (j > 0 && (c0 + j * W) % 32 == 0) pr = v.prepare(t, c0 + j * W);
@@ -1135,15 +1154,15 @@ struct simd_attention {
   /// accumulate_tile for 4-bit KIVI values, NC chunks of 2W channels from c0: W code bytes give the
   /// chunk's even channels (low nibbles) and odd ones (high nibbles) in two vectors, accumulated
   /// apart and interleaved into o once per tile.
-  template <int NH, int NC>
-  static void accumulate_nibble_pairs(float* const* o, float const* const* p, kivi_value_rows<4> const& v, int n,
+  template <int NH, int NC, class P>
+  static void accumulate_nibble_pairs(float* const* o, P const& p, kivi_value_rows<4> const& v, int n,
                                       int c0) noexcept {
     vf acc[std::size_t{NH}][std::size_t{NC}][2];
     for (int i = 0; i < NH; ++i)
       for (int j = 0; j < NC; ++j) acc[i][j][0] = acc[i][j][1] = V::set1(0.0f);
     for (int t = 0; t < n; ++t) {
       vf pv[std::size_t{NH}];
-      for (int i = 0; i < NH; ++i) pv[i] = V::set1(p[i][t]);
+      for (int i = 0; i < NH; ++i) pv[i] = V::set1(p.at(i, t));
       auto pr = v.prepare(t, c0);
       for (int j = 0; j < NC; ++j) {
         int const c = c0 + j * 2 * W;
@@ -1167,9 +1186,9 @@ struct simd_attention {
       }
   }
 
-  /// o_(h0+i) += sum_t p_(h0+i)[t] * v_t over every channel, for NH heads.
-  template <int NH, class L>
-  static void accumulate_heads(float* const* o, float const* const* p, L const& v, int n, int d) noexcept {
+  /// o_(h0+i) += sum_t p.at(i, t) * v_t over every channel, for NH heads.
+  template <int NH, class L, class P>
+  static void accumulate_heads(float* const* o, P const& p, L const& v, int n, int d) noexcept {
     constexpr int NC = NH == 8 ? 2 : NH == 6 ? 4 : NH == 4 ? (W >= 16 ? 4 : 2) : NH == 2 ? 4 : 8;
     int c = 0;
     if constexpr (std::is_same_v<L, kivi_value_rows<4>>) {
@@ -1185,45 +1204,28 @@ struct simd_attention {
     for (; c < d; ++c)
       for (int i = 0; i < NH; ++i) {
         float a = o[i][c];
-        for (int t = 0; t < n; ++t) a += p[i][t] * v.at(t, c);
+        for (int t = 0; t < n; ++t) a += p.at(i, t) * v.at(t, c);
         o[i][c] = a;
       }
   }
 
-  /// o_h += sum_t p_h[t] * v_t for every head of the group (p_h = probs + h * T + off).
-  template <class L>
-  static void accumulate(float* out, int d, int group, float const* probs, int off, L const& v, int n) noexcept {
-    auto const head = [&](int h, float** o, float const** p, int i) {
-      o[i] = out + static_cast<std::ptrdiff_t>(h) * d;
-      p[i] = probs + h * T + off;
+  /// o_h += sum_t p_h[t] * v_t for every head of the group, tokens from tile token `off`: row-major
+  /// probabilities (group, T) by default, transposed ones (T, ps) with HS = 1.
+  template <int HS = T, class L>
+  static void accumulate(float* out, int d, int group, float const* probs, int off, L const& v, int n,
+                         std::ptrdiff_t ps = 1) noexcept {
+    auto const heads = [&]<int NH>(int h) {
+      float* o[std::size_t{NH}];
+      for (int i = 0; i < NH; ++i) o[i] = out + static_cast<std::ptrdiff_t>(h + i) * d;
+      accumulate_heads<NH>(o, prob_rows<HS>{probs + h * HS + off * ps, ps}, v, n, d);
     };
     int h = 0;
     if (W >= 16)  // 32 registers: 6 heads x 4 vectors of accumulators
-      for (; h + 6 <= group; h += 6) {
-        float* o[6];
-        float const* p[6];
-        for (int i = 0; i < 6; ++i) head(h + i, o, p, i);
-        accumulate_heads<6>(o, p, v, n, d);
-      }
+      for (; h + 6 <= group; h += 6) heads.template operator()<6>(h);
     if (W >= 4)
-      for (; h + 4 <= group; h += 4) {
-        float* o[4];
-        float const* p[4];
-        for (int i = 0; i < 4; ++i) head(h + i, o, p, i);
-        accumulate_heads<4>(o, p, v, n, d);
-      }
-    for (; h + 2 <= group; h += 2) {
-      float* o[2];
-      float const* p[2];
-      for (int i = 0; i < 2; ++i) head(h + i, o, p, i);
-      accumulate_heads<2>(o, p, v, n, d);
-    }
-    for (; h < group; ++h) {
-      float* o[1];
-      float const* p[1];
-      head(h, o, p, 0);
-      accumulate_heads<1>(o, p, v, n, d);
-    }
+      for (; h + 4 <= group; h += 4) heads.template operator()<4>(h);
+    for (; h + 2 <= group; h += 2) heads.template operator()<2>(h);
+    for (; h < group; ++h) heads.template operator()<1>(h);
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -1535,6 +1537,240 @@ struct simd_attention {
     return true;
   }
 
+  /// Writes the loader's m value rows as f32 to s.special_values from tile row `first`, for the
+  /// per-token path.
+  template <class L>
+  static void save_special_values(L const& rows, int first, int m, int d, attention_scratch& s) noexcept {
+    for (int r = 0; r < m; ++r) {
+      float* y = s.special_values.data() + static_cast<std::ptrdiff_t>(first + r) * d;
+      for (int c = 0; c < d; ++c) y[c] = rows.at(r, c);
+    }
+  }
+
+  /// The reference's per-token update of the tile's n tokens for the rows marked in s.special:
+  /// each row's output restored from s.saved, its scaled logits row-major in s.logits (rows, T).
+  static void update_special_rows(attention_call const& call, int rows, int n, float* out, float* max, float* sum,
+                                  attention_scratch& s) noexcept {
+    int const d = call.head_dim;
+    for (int r = 0; r < rows; ++r) {
+      if (!s.special[static_cast<std::size_t>(r)]) continue;
+      float* const o = out + static_cast<std::ptrdiff_t>(r) * d;
+      std::memcpy(o, s.saved.data() + static_cast<std::ptrdiff_t>(r) * d, static_cast<std::size_t>(d) * 4);
+      update_per_token(o, max[r], sum[r], d, s.logits.data() + static_cast<std::ptrdiff_t>(r) * T, n,
+                       s.special_values.data(), call.f16_probabilities);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Many query rows: transposed query, logits and probabilities
+
+  /// Query rows from which attend() works on transposed tiles (attend_transposed): 16 on AVX-512
+  /// and AVX2, 8 on NEON (measured on AVX-512: 16 rows take 0.6x the time of the per-row path).
+  static constexpr int transposed_rows = W >= 16 ? W : 2 * W;
+  /// Tokens and row vectors of one dot_block_t: R * NV accumulators.
+  static constexpr int block_tokens = W >= 16 ? 8 : 4;
+  static constexpr int block_vectors = W >= 8 ? 2 : 4;
+
+  /// lt[j * rp + c'] = q_(c') . k_j for NV * W rows (columns c' of qt, the query transposed: (d,
+  /// rp)) and tokens j < nt <= R: each key element is broadcast against NV vectors of rows, so the
+  /// R * NV accumulators need no horizontal sums.
+  template <int R, int NV>
+  static void dot_block_t(float const* qt, int rp, int d, float const* const* k, int nt, float* lt) noexcept {
+    vf acc[std::size_t{R}][std::size_t{NV}];
+    for (int j = 0; j < R; ++j)
+      for (int v = 0; v < NV; ++v) acc[j][v] = V::set1(0.0f);
+    float const* kj[std::size_t{R}];
+    for (int j = 0; j < R; ++j) kj[j] = k[j < nt ? j : nt - 1];
+    for (int c = 0; c < d; ++c) {
+      float const* qc = qt + static_cast<std::ptrdiff_t>(c) * rp;
+      vf qv[std::size_t{NV}];
+      for (int v = 0; v < NV; ++v) qv[v] = V::load(qc + v * W);
+      for (int j = 0; j < R; ++j) {
+        vf const kb = V::set1(kj[j][c]);
+        for (int v = 0; v < NV; ++v) acc[j][v] = V::fma(kb, qv[v], acc[j][v]);
+      }
+    }
+    for (int j = 0; j < nt; ++j)
+      for (int v = 0; v < NV; ++v) V::store(lt + static_cast<std::ptrdiff_t>(j) * rp + v * W, acc[j][v]);
+  }
+
+  /// dot_block_t over the `left` row vectors from qt, NV at a time.
+  template <int R, int NV>
+  static void dot_blocks_t(float const* qt, int rp, int left, int d, float const* const* k, int nt,
+                           float* lt) noexcept {
+    for (; left >= NV; left -= NV, qt += NV * W, lt += NV * W) dot_block_t<R, NV>(qt, rp, d, k, nt, lt);
+    if constexpr (NV > 1)
+      if (left > 0) dot_blocks_t<R, NV - 1>(qt, rp, left, d, k, nt, lt);
+  }
+
+  /// lt[(off + j) * rp + r] = q_r . k_j for the rows of qt (rp of them, padded) and the loader's
+  /// tokens j < m (decoded into buf first).
+  template <class L>
+  static void dot_rows_t(float const* qt, int rp, int d, L const& k, int m, int off, float* lt, float* buf) noexcept {
+    decode_rows(k, m, d, buf);  // f32 rows copied too: the broadcasts then read L1
+    float const* rows[T];
+    for (int j = 0; j < m; ++j) rows[j] = buf + static_cast<std::ptrdiff_t>(j) * d;
+    constexpr int R = block_tokens;
+    for (int j0 = 0; j0 < m; j0 += R)
+      dot_blocks_t<R, block_vectors>(qt, rp, rp / W, d, rows + j0, std::min(R, m - j0),
+                                     lt + static_cast<std::ptrdiff_t>(off + j0) * rp);
+  }
+
+  /// The online-softmax update of one tile for every row at once, on the transposed logits lt (n, rp):
+  /// scale, offset, softcap and the rows' token ranges applied in place, the rows' max and sum
+  /// (m, l) updated, their output corrections written to corr and the probabilities to pt (n, rp).
+  /// Rows whose tile holds a NaN or +Inf logit keep their state, get corr 1 and probabilities 0,
+  /// and are marked in `special` (1.0f) for the reference's per-token path.
+  static void softmax_tile_t(attention_call const& call, int rows, int rp, float* lt, int n, float* m, float* l,
+                             float* corr, float const* offset, float const* first, float const* last, bool ranged,
+                             float* special, float* pt) noexcept {
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    bool const capped = call.softcap > 0.0f;
+    if (capped)  // scale, offset and softcap as the reference orders them, element by element
+      for (int t = 0; t < n; ++t)
+        for (int r = 0; r < rows; ++r) {
+          float& x = lt[static_cast<std::ptrdiff_t>(t) * rp + r];
+          x = x * call.scale + offset[r];
+          x = call.softcap * std::tanh(x / call.softcap);
+        }
+    vf const sc = V::set1(call.scale), bigv = V::set1(std::numeric_limits<float>::max());
+    vf const ninf = V::set1(neg_inf), zero = V::set1(0.0f), one = V::set1(1.0f);
+    for (int r0 = 0; r0 < rp; r0 += W) {
+      vf const off = V::load(offset + r0);
+      vf const lo = V::load(first + r0), hi = V::load(last + r0);
+      vf mx = ninf, bad = zero;
+      for (int t = 0; t < n; ++t) {
+        float* const x_at = lt + static_cast<std::ptrdiff_t>(t) * rp + r0;
+        vf x = V::load(x_at);
+        if (!capped) x = V::add(V::mul_c(x, sc), off);
+        if (ranged) {
+          vf const tv = V::set1(static_cast<float>(t));
+          x = V::select_f(V::gt_f(lo, tv), ninf, x);
+          x = V::select_f(V::le_f(hi, tv), ninf, x);
+        }
+        V::store(x_at, x);
+        bad = V::select_f(V::le_f(x, bigv), bad, one);  // NaN or +Inf
+        mx = V::max(mx, x);
+      }
+      vm const is_bad = V::gt_f(bad, zero);
+      vf const m_old = V::load(m + r0);
+      vf const m_new = V::select_f(is_bad, m_old, V::max(m_old, mx));
+      vm const none = V::le_f(m_new, ninf);  // every logit so far -Inf: nothing attended yet
+      vf const skip = V::select_f(none, one, bad);
+      vf c = V::select_f(V::gt_f(skip, zero), one, exp_nonpositive(V::sub(m_old, m_new)));
+      vf sum = zero;
+      for (int t = 0; t < n; ++t) {
+        float const* const x_at = lt + static_cast<std::ptrdiff_t>(t) * rp + r0;
+        vf e = exp_nonpositive(V::sub(V::load(x_at), m_new));
+        e = V::select_f(V::gt_f(skip, zero), zero, e);
+        sum = V::add(sum, e);
+        V::store(pt + static_cast<std::ptrdiff_t>(t) * rp + r0, call.f16_probabilities ? V::round_f16(e) : e);
+      }
+      vf const l_old = V::load(l + r0);
+      V::store(l + r0, V::select_f(is_bad, l_old, V::add(V::mul_c(l_old, c), sum)));
+      V::store(m + r0, m_new);
+      V::store(corr + r0, c);
+      V::store(special + r0, bad);
+    }
+  }
+
+  /// attend() for many query rows (call.group >= transposed_rows, no i8 weights, no custom masks,
+  /// no integer key dots): the query is transposed once, each tile's logits come out transposed
+  /// (tokens, rows) from register-blocked outer products, the softmax runs on vectors of rows, and
+  /// p . V reads the transposed probabilities.
+  template <class KC, class VC>
+  static void attend_transposed(token_source const& k, typename KC::params_type const& kp, token_source const& v,
+                                typename VC::params_type const& vp, attention_call const& call, float const* q,
+                                std::int64_t begin, std::int64_t end, attention_state const& state,
+                                attention_scratch& s) noexcept {
+    int const d = call.head_dim;
+    int const rows = call.group;
+    int const rp = (rows + W - 1) / W * W;
+    std::size_t const urp = static_cast<std::size_t>(rp), ud = static_cast<std::size_t>(d);
+    s.query_t.assign(ud * urp, 0.0f);
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < d; ++c)
+        s.query_t[static_cast<std::size_t>(c) * urp + static_cast<std::size_t>(r)] =
+            q[static_cast<std::size_t>(r) * ud + static_cast<std::size_t>(c)];
+    s.logits_t.resize(T * urp);
+    s.probs_t.resize(T * urp);
+    s.rows_t.assign(7 * urp, 0.0f);
+    if (s.saved.size() < static_cast<std::size_t>(rows) * ud) s.saved.resize(static_cast<std::size_t>(rows) * ud);
+    if (s.special.size() < static_cast<std::size_t>(rows)) s.special.resize(static_cast<std::size_t>(rows));
+    if (s.logits.size() < static_cast<std::size_t>(rows) * T) s.logits.resize(static_cast<std::size_t>(rows) * T);
+    float* const m = s.rows_t.data();
+    float* const l = m + urp;
+    float* const corr = l + urp;
+    float* const offset = corr + urp;
+    float* const first = offset + urp;
+    float* const last = first + urp;
+    float* const special = last + urp;
+    for (int r = 0; r < rp; ++r) m[r] = -std::numeric_limits<float>::infinity();
+    std::copy_n(state.max, rows, m);
+    std::copy_n(state.sum, rows, l);
+    if (call.row_offset != nullptr) std::copy_n(call.row_offset, rows, offset);
+    tile_rows tr;
+    for (std::int64_t t0 = begin; t0 < end; t0 += T) {
+      std::int64_t const tb = t0;
+      int const n = static_cast<int>(std::min(end, t0 + T) - tb);
+      prefetch_tile(k, KC::geometry(d).tokens, tb + n, std::min<std::int64_t>(end - tb - n, T));
+      tile_logits<KC>(k, kp, call, q, nullptr, tb, n, s, tr, [&](auto const& rows_of, int cnt, int off) {
+        dot_rows_t(s.query_t.data(), rp, d, rows_of, cnt, off, s.logits_t.data(), s.keys.data());
+      });
+      prefetch_tile(v, 1, tb + n, std::min<std::int64_t>(end - tb - n, T));
+      // The rows' token ranges within the tile (causal and window masks).
+      bool ranged = false;
+      if (call.row_begin != nullptr || call.row_end != nullptr) {
+        std::int64_t const j0 = call.token_offset + tb;
+        for (int r = 0; r < rp; ++r) {
+          std::int64_t lo = 0, hi = n;
+          if (r < rows && call.row_begin != nullptr) lo = std::clamp<std::int64_t>(call.row_begin[r] - j0, 0, n);
+          if (r < rows && call.row_end != nullptr) hi = std::clamp<std::int64_t>(call.row_end[r] - j0, 0, n);
+          ranged = ranged || lo > 0 || hi < n;
+          first[r] = static_cast<float>(lo);
+          last[r] = static_cast<float>(hi);
+        }
+      }
+      softmax_tile_t(call, rows, rp, s.logits_t.data(), n, m, l, corr, offset, first, last, ranged, special,
+                     s.probs_t.data());
+      bool any_special = false;
+      for (int r = 0; r < rows; ++r) {
+        float* const o = state.out + static_cast<std::ptrdiff_t>(r) * d;
+        bool const sp = special[r] != 0.0f;
+        s.special[static_cast<std::size_t>(r)] = sp;
+        if (sp) {  // the row's scaled logits, row-major, for the per-token path
+          any_special = true;
+          std::memcpy(s.saved.data() + static_cast<std::ptrdiff_t>(r) * d, o, ud * 4);
+          for (int t = 0; t < n; ++t)
+            s.logits[static_cast<std::size_t>(r) * T + static_cast<std::size_t>(t)] =
+                s.logits_t[static_cast<std::size_t>(t) * urp + static_cast<std::size_t>(r)];
+        } else if (corr[r] != 1.0f) {
+          vf const cv = V::set1(corr[r]);
+          int c = 0;
+          for (; c + W <= d; c += W) V::store(o + c, V::mul_c(V::load(o + c), cv));
+          for (; c < d; ++c) o[c] *= corr[r];
+        }
+      }
+      with_value_rows<VC>(v, vp, d, tb, n, s, tr, [&](auto const& vrows, int fst, int cnt) {
+        using loader = std::decay_t<decltype(vrows)>;
+        float const* const pt = s.probs_t.data();
+        if constexpr (std::is_same_v<loader, f32_rows>) {
+          accumulate<1>(state.out, d, rows, pt, fst, vrows, cnt, rp);
+        } else {
+          decode_rows<loader>(vrows, cnt, d, s.dense.data());
+          std::uint8_t const* ptrs[T];
+          for (int r = 0; r < cnt; ++r)
+            ptrs[r] = reinterpret_cast<std::uint8_t const*>(s.dense.data() + static_cast<std::ptrdiff_t>(r) * d);
+          accumulate<1>(state.out, d, rows, pt, fst, f32_rows{ptrs}, cnt, rp);
+        }
+        if (any_special) save_special_values(vrows, fst, cnt, d, s);
+      });
+      if (any_special) update_special_rows(call, rows, n, state.out, m, l, s);
+    }
+    std::copy_n(m, rows, state.max);
+    std::copy_n(l, rows, state.sum);
+  }
+
   // ---------------------------------------------------------------------------------------------
   // Entry
 
@@ -1558,6 +1794,11 @@ struct simd_attention {
                      attention_scratch& s) noexcept {
     attention_call call = options;
     call.i8_weights = call.i8_weights && integer_value_codec<VC>;  // others: f32 probabilities, as given
+    if (call.group >= transposed_rows && !call.i8_weights && call.row_bias == nullptr && call.row_allow == nullptr &&
+        (qb == nullptr || !integer_dot_key<KC>)) {
+      attend_transposed<KC, VC>(k, kp, v, vp, call, q, begin, end, state, s);
+      return;
+    }
     int const d = call.head_dim;
     int const group = call.group;
     tile_rows tr;
@@ -1579,7 +1820,8 @@ struct simd_attention {
       std::int64_t const tb = t0;
       int const n = static_cast<int>(std::min(end, t0 + T) - tb);
       prefetch_tile(k, KC::geometry(d).tokens, tb + n, std::min<std::int64_t>(end - tb - n, T));
-      tile_logits<KC>(k, kp, call, q, qb, tb, n, s, tr);
+      tile_logits<KC>(k, kp, call, q, qb, tb, n, s, tr,
+                      [&](auto const& rows, int m, int off) { dot_rows(q, d, group, rows, m, off, s.logits.data()); });
       prefetch_tile(v, 1, tb + n, std::min<std::int64_t>(end - tb - n, T));
       // Softmax per head; heads with a NaN or infinite logit take the per-token path below.
       bool any_special = false;
@@ -1613,21 +1855,9 @@ struct simd_attention {
         } else {
           accumulate(state.out, d, group, s.probs.data(), first, rows, m);
         }
-        if (any_special) {  // the tile's value rows as f32, for the per-token path
-          for (int r = 0; r < m; ++r) {
-            float* y = s.special_values.data() + static_cast<std::ptrdiff_t>(first + r) * d;
-            for (int c = 0; c < d; ++c) y[c] = rows.at(r, c);
-          }
-        }
+        if (any_special) save_special_values(rows, first, m, d, s);
       });
-      if (any_special)
-        for (int h = 0; h < group; ++h) {
-          if (!s.special[static_cast<std::size_t>(h)]) continue;
-          float* const o = state.out + static_cast<std::ptrdiff_t>(h) * d;
-          std::memcpy(o, s.saved.data() + static_cast<std::ptrdiff_t>(h) * d, static_cast<std::size_t>(d) * 4);
-          update_per_token(o, state.max[h], state.sum[h], d, s.logits.data() + h * T, n, s.special_values.data(),
-                           call.f16_probabilities);
-        }
+      if (any_special) update_special_rows(call, group, n, state.out, state.max, state.sum, s);
     }
   }
 };
