@@ -14,6 +14,7 @@
 // (kvq::stored_codec_t<C>: q4_0, or the tq codebook); decoded by those kernels, then un-rotated.
 // Sizes: 256 MiB of f32 is far beyond the last-level cache (DRAM bandwidth); 1 MiB stays in cache.
 #include <kvq/backend/cpu/kernels.hpp>
+#include <kvq/codec/fp4.hpp>
 #include <kvq/codec/fp8.hpp>
 #include <kvq/codec/int8.hpp>
 #include <kvq/codec/kivi.hpp>
@@ -113,7 +114,8 @@ auto rotated_row_entry(std::string name) -> codec_entry {
           }};
 }
 
-/// Every entry, in the order of DESIGN §8, then the rotated codecs (FORMATS.md §6).
+/// Every entry, in the order of DESIGN §8, then the FP4 blocks (FORMATS.md §7) and the rotated
+/// codecs (FORMATS.md §6).
 auto entries() -> std::vector<codec_entry> {
   return {row_entry<kvq::f32_codec>("f32"),
           row_entry<kvq::f16_codec>("f16"),
@@ -128,6 +130,8 @@ auto entries() -> std::vector<codec_entry> {
           row_entry<kvq::kivi_value<4, 32>>("kivi4.v"),
           tile_entry<kvq::kivi_key<8, 32>>("kivi8.k"),
           row_entry<kvq::kivi_value<8, 32>>("kivi8.v"),
+          row_entry<kvq::mxfp4>("mxfp4"),
+          row_entry<kvq::nvfp4>("nvfp4"),
           rotated_row_entry<kvq::rotated<kvq::q4_0>>("rot-q4_0"),
           rotated_row_entry<kvq::tq4>("tq4"),
           rotated_row_entry<kvq::tq3>("tq3"),

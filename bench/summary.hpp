@@ -29,10 +29,11 @@ namespace kvq_bench::summary {
 using json = nlohmann::json;
 using ordered_json = nlohmann::ordered_json;  // output documents keep their keys in schema order
 
-/// Codec names (DESIGN §8, then the rotated codecs of FORMATS.md §6) in the order every table uses.
-inline std::vector<std::string> const codec_names = {"f32",      "f16",      "q4_0",  "q8_0",  "int8",
-                                                     "fp8_e4m3", "fp8_e5m2", "kivi2", "kivi4", "kivi8",
-                                                     "rot-q4_0", "tq4",      "tq3",   "tq2"};
+/// Codec names (DESIGN §8, then the FP4 blocks of FORMATS.md §7 and the rotated codecs of §6) in
+/// the order every table uses.
+inline std::vector<std::string> const codec_names = {"f32",      "f16",   "q4_0",  "q8_0",  "int8",  "fp8_e4m3",
+                                                     "fp8_e5m2", "kivi2", "kivi4", "kivi8", "mxfp4", "nvfp4",
+                                                     "rot-q4_0", "tq4",   "tq3",   "tq2"};
 
 /// The rotated codecs (FORMATS.md §6): their attention cells are also set against q4_0.
 inline std::vector<std::string> const rotated_codec_names = {"rot-q4_0", "tq4", "tq3", "tq2"};

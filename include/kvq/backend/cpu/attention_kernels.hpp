@@ -46,14 +46,6 @@
 #include "../../detail/host_vector.hpp"
 #include "simd_codecs.hpp"
 
-// The dot tiles' inner step must be inlined (its accumulators then stay in registers); GCC's
-// size heuristics may decline it for loaders with larger bodies.
-#if defined(__GNUC__)
-#  define KVQ_CPU_ALWAYS_INLINE __attribute__((always_inline))
-#else
-#  define KVQ_CPU_ALWAYS_INLINE
-#endif
-
 KVQ_NAMESPACE_BEGIN
 namespace cpu_kernels {
 

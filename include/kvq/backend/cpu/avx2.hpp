@@ -96,6 +96,7 @@ struct ops {
   static vi add_i(vi a, vi b) noexcept { return _mm256_add_epi32(a, b); }
   static vi sub_i(vi a, vi b) noexcept { return _mm256_sub_epi32(a, b); }
   static vi min_i(vi a, vi b) noexcept { return _mm256_min_epi32(a, b); }
+  static vi max_i(vi a, vi b) noexcept { return _mm256_max_epi32(a, b); }
   template <int K>
   static vi srli(vi a) noexcept {
     return _mm256_srli_epi32(a, K);
@@ -248,7 +249,16 @@ struct ops {
       p = _mm256_permute_ps(v, 0x4e);
     else
       p = _mm256_permute2f128_ps(v, v, 0x01);
-    return _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), H == 1 ? 0xaa : H == 2 ? 0xcc : 0xf0);
+    // v * (+-1) is exact, so the fused p + v * (+-1) is the one rounded p + v or p - v.
+    constexpr float a = 1.0f, b = -1.0f;  // lanes with (l & H) == 0 add, the others subtract
+    vf sign;
+    if constexpr (H == 1)
+      sign = _mm256_setr_ps(a, b, a, b, a, b, a, b);
+    else if constexpr (H == 2)
+      sign = _mm256_setr_ps(a, a, b, b, a, a, b, b);
+    else
+      sign = _mm256_setr_ps(a, a, a, a, b, b, b, b);
+    return _mm256_fmadd_ps(v, sign, p);
   }
   /// v with the sign of lane l flipped where bit l of `bits` is set.
   static vf flip_signs(vf v, std::uint64_t bits) noexcept {
@@ -336,6 +346,17 @@ struct ops {
     vf const t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
     vf const u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+  /// Lane i = the largest lane of v[i] (signed): pairs of 32-bit lanes, then of 64-bit lanes,
+  /// then the two 128-bit halves.
+  static vi max_lanes_i(vi const* v) noexcept {
+    vi t[4];
+    for (int i = 0; i < 4; ++i)
+      t[i] = _mm256_max_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                              _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    vi const u0 = _mm256_max_epi32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
+    vi const u1 = _mm256_max_epi32(_mm256_unpacklo_epi64(t[2], t[3]), _mm256_unpackhi_epi64(t[2], t[3]));
+    return _mm256_max_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
   }
   /// f16 bits to float with F16C (NaN payloads are not preserved exactly).
   static float f16_scalar_hw(std::uint16_t h) noexcept { return _cvtsh_ss(h); }

@@ -124,6 +124,7 @@ struct ops {
   static vi add_i(vi a, vi b) noexcept { return _mm512_add_epi32(a, b); }
   static vi sub_i(vi a, vi b) noexcept { return _mm512_sub_epi32(a, b); }
   static vi min_i(vi a, vi b) noexcept { return _mm512_min_epi32(a, b); }
+  static vi max_i(vi a, vi b) noexcept { return _mm512_max_epi32(a, b); }
   template <int K>
   static vi srli(vi a) noexcept {
     return _mm512_srli_epi32(a, K);
@@ -269,8 +270,18 @@ struct ops {
       p = _mm512_shuffle_f32x4(v, v, 0xb1);
     else
       p = _mm512_shuffle_f32x4(v, v, 0x4e);
-    constexpr vm upper = H == 1 ? 0xaaaa : H == 2 ? 0xcccc : H == 4 ? 0xf0f0 : 0xff00;
-    return _mm512_mask_sub_ps(_mm512_add_ps(v, p), upper, p, v);
+    // v * (+-1) is exact, so the fused p + v * (+-1) is the one rounded p + v or p - v.
+    constexpr float a = 1.0f, b = -1.0f;  // lanes with (l & H) == 0 add, the others subtract
+    vf sign;
+    if constexpr (H == 1)
+      sign = _mm512_setr_ps(a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b);
+    else if constexpr (H == 2)
+      sign = _mm512_setr_ps(a, a, b, b, a, a, b, b, a, a, b, b, a, a, b, b);
+    else if constexpr (H == 4)
+      sign = _mm512_setr_ps(a, a, a, a, b, b, b, b, a, a, a, a, b, b, b, b);
+    else
+      sign = _mm512_setr_ps(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+    return _mm512_fmadd_ps(v, sign, p);
   }
   /// v with the sign of lane l flipped where bit l of `bits` is set.
   static vf flip_signs(vf v, std::uint64_t bits) noexcept {
@@ -340,6 +351,19 @@ struct ops {
     vf const w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xee));
     vf const w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xee));
     return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
+  }
+  /// Lane i = the largest lane of v[i] (signed; the tree of reduce_lanes with max).
+  static vi max_lanes_i(vi const* v) noexcept {
+    vi t[8], u[4];
+    for (int i = 0; i < 8; ++i)
+      t[i] = _mm512_max_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                              _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+      u[i] = _mm512_max_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                              _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    vi const w0 = _mm512_max_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x44), _mm512_shuffle_i32x4(u[0], u[1], 0xee));
+    vi const w1 = _mm512_max_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x44), _mm512_shuffle_i32x4(u[2], u[3], 0xee));
+    return _mm512_max_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xdd));
   }
   /// f16 bits to float with F16C (NaN payloads are not preserved exactly).
   static float f16_scalar_hw(std::uint16_t h) noexcept { return _cvtsh_ss(h); }

@@ -85,6 +85,7 @@ struct ops {
   static vi add_i(vi a, vi b) noexcept { return vaddq_s32(a, b); }
   static vi sub_i(vi a, vi b) noexcept { return vsubq_s32(a, b); }
   static vi min_i(vi a, vi b) noexcept { return vminq_s32(a, b); }
+  static vi max_i(vi a, vi b) noexcept { return vmaxq_s32(a, b); }
   template <int K>
   static vi srli(vi a) noexcept {
     return vreinterpretq_s32_u32(vshrq_n_u32(vreinterpretq_u32_s32(a), K));
@@ -281,6 +282,8 @@ struct ops {
   static float reduce_add(vf v) noexcept { return vaddvq_f32(v); }
   /// Lane i = the sum of the lanes of v[i] (pairwise adds).
   static vf reduce_lanes(vf const* v) noexcept { return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3])); }
+  /// Lane i = the largest lane of v[i] (signed; pairwise maxima).
+  static vi max_lanes_i(vi const* v) noexcept { return vpmaxq_s32(vpmaxq_s32(v[0], v[1]), vpmaxq_s32(v[2], v[3])); }
   /// f16 bits to float (FCVT; NaN payloads are not preserved exactly).
   static float f16_scalar_hw(std::uint16_t h) noexcept {
     return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "../../codec/fp4.hpp"
 #include "../../codec/fp8.hpp"
@@ -37,9 +38,39 @@
 #include "../../detail/rotation.h"
 #include "scalar.hpp"
 
+// Kernels whose register arrays must stay in registers force their inner steps inline: GCC's size
+// heuristics may decline them, and below -O3 it does not unroll their loops.
+#if !defined(KVQ_CPU_ALWAYS_INLINE)
+#  if defined(__GNUC__)
+#    define KVQ_CPU_ALWAYS_INLINE __attribute__((always_inline))
+#  else
+#    define KVQ_CPU_ALWAYS_INLINE
+#  endif
+#endif
+
 KVQ_NAMESPACE_BEGIN
 namespace cpu_kernels {
 namespace simd {
+
+/// Calls f.template operator()<I>() for I = 0, 1, ..., N - 1 in that order, unrolled at compile
+/// time whatever the optimisation level (so that arrays of vectors indexed by I stay in registers).
+template <int N, class F>
+KVQ_CPU_ALWAYS_INLINE inline void static_for(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) KVQ_CPU_ALWAYS_INLINE { (f.template operator()<I>(), ...); }
+  (std::make_integer_sequence<int, N>{});
+}
+
+/// Prefetches, for reading, the cache line `bytes` bytes from p; the address may lie outside any
+/// object (no pointer is formed and a prefetch never faults).
+KVQ_CPU_ALWAYS_INLINE inline void prefetch_at(void const* p, std::ptrdiff_t bytes) noexcept {
+#if defined(__GNUC__)
+  __builtin_prefetch(
+      reinterpret_cast<void const*>(reinterpret_cast<std::uintptr_t>(p) + static_cast<std::uintptr_t>(bytes)), 0, 3);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 
 /// Recognises kivi_value<Bits, G>.
 template <class C>
@@ -178,47 +209,74 @@ struct simd_codecs {
 
   static constexpr int kq = detail::qk_ggml / W;  // vectors per block
 
-  // Encoding runs over batches of W blocks (across rows): each block is scanned (amax, finiteness,
-  // q4_0's signed max), then the scales of the whole batch are computed in the W lanes of one
-  // vector — the same divisions and fp16 rounding as the reference, lane by lane — and finally
-  // each block's codes are written with its scale broadcast.
+  // Encoding runs over batches of W blocks (across rows). A block's largest magnitude is the
+  // integer maximum of its |x| bits: ordered like the magnitudes for finite values, and above every
+  // finite value for Inf and NaN, so the same maximum says whether the block is poisoned. The W
+  // blocks' maxima are reduced across lanes together (lane i: block i), the scales of the batch
+  // are computed in one vector — the same divisions and fp16 rounding as the reference, lane by
+  // lane — and finally each block's codes are written with its scale broadcast.
 
-  /// Scans a block: amax and whether it is finite; q4_0: the first element of largest magnitude.
-  template <bool Q4>
-  static void ggml_scan(float const* x, float& amax_out, float& max_out, std::int32_t& bad_out) noexcept {
-    vf v[std::size_t{kq}];
-    vf amax = V::set1(0.0f);
-    vm bad = V::mask_false();
-    for (int k = 0; k < kq; ++k) {
-      v[k] = V::load(x + k * W);
-      amax = V::max(amax, V::abs(v[k]));
-      bad = V::mask_or(bad, nonfinite(v[k]));
+  /// Lane i: the largest |x| bits of block x[i] (i < n; 0 for the other lanes).
+  static vi ggml_magnitudes(float const* const* x, int n) noexcept {
+    vi const magnitude = V::set1_i(0x7fffffff);
+    vi m[std::size_t{W}];
+    for (int i = 0; i < W; ++i) {
+      m[i] = V::set1_i(0);
+      if (i < n)
+        for (int k = 0; k < kq; ++k) m[i] = V::max_i(m[i], V::and_i(V::bits(V::load(x[i] + k * W)), magnitude));
     }
-    float const am = V::reduce_max(amax);
-    amax_out = am;
-    bad_out = V::any(bad) ? -1 : 0;
-    if constexpr (Q4) {
-      // The lowest index whose magnitude is amax, sign kept; +0 when every element is ±0 (the
-      // reference never replaces its initial +0 then).
-      vf const amv = V::set1(am);
-      std::uint32_t hits = 0;
-      for (int k = 0; k < kq; ++k)
-        hits |= static_cast<std::uint32_t>(V::mask_bits(V::eq_f(V::abs(v[k]), amv))) << (k * W);
-      max_out = am > 0.0f && hits != 0 ? x[std::countr_zero(hits)] : 0.0f;
-    }
+    return V::max_lanes_i(m);
   }
 
-  /// Scales of a batch: id = ggml_inverse_scale(d) and the fp16 bits of d (0x7e00 when poisoned),
-  /// where d = amax / 127 (q8_0) or max / -8 (q4_0).
+  /// The first element of block x whose magnitude is amax (> 0), sign kept: q4_0's signed max.
+  static float ggml_signed_max(float const* x, float amax) noexcept {
+    vf const a = V::set1(amax);
+    std::uint32_t hits = 0;
+    for (int k = 0; k < kq; ++k)
+      hits |= static_cast<std::uint32_t>(V::mask_bits(V::eq_f(V::abs(V::load(x + k * W)), a))) << (k * W);
+    return x[std::countr_zero(hits)];
+  }
+
+  /// Encodes a batch of n (1 .. W) full blocks x[i] (32 floats each) into dst[i]: d = amax / 127
+  /// (q8_0) or max / -8 (q4_0), its inverse ggml_inverse_scale(d), its fp16 bits (0x7e00 and
+  /// neutral codes for a block holding NaN or Inf).
   template <bool Q4>
-  static void ggml_scales(float const* amax, float const* max, std::int32_t const* bad, float* id, u16* dh) noexcept {
-    vf const d = Q4 ? V::div(V::load(max), V::set1(-8.0f)) : V::div(V::load(amax), V::set1(127.0f));
+  static void ggml_batch(float const* const* x, u8* const* dst, int n) noexcept {
+    vi const amax_bits = ggml_magnitudes(x, n);
+    unsigned const poisoned = V::mask_bits(V::gt_i(amax_bits, V::set1_i(0x7f7fffff)));
+    vf d;
+    if constexpr (Q4) {
+      // max: the first element of largest magnitude, +0 when every element is ±0 (the reference
+      // never replaces its initial +0 then); poisoned blocks keep +0, their scale is replaced.
+      alignas(64) float amax[std::size_t{W}];
+      alignas(64) float max[std::size_t{W}] = {};
+      V::store(amax, V::from_bits(amax_bits));
+      for (int i = 0; i < n; ++i)
+        if (((poisoned >> i) & 1u) == 0 && amax[i] > 0.0f) max[i] = ggml_signed_max(x[i], amax[i]);
+      d = V::div(V::load(max), V::set1(-8.0f));
+    } else {
+      d = V::div(V::from_bits(amax_bits), V::set1(127.0f));
+    }
     vf const zero = V::set1(0.0f);
     vf const inv = V::div(V::set1(1.0f), d);
-    vm const no_inverse = V::mask_or(V::eq_f(d, zero), nonfinite(inv));
-    V::store(id, V::select_f(no_inverse, zero, inv));
-    vm const poisoned = V::eq_i(V::load_i(bad), V::set1_i(-1));
-    V::store_u16(dh, V::select_i(poisoned, V::set1_i(detail::poisoned_f16_scale), V::f32_to_f16_hw(d)));
+    alignas(64) float id[std::size_t{W}];
+    alignas(64) u16 dh[std::size_t{W}];
+    V::store(id, V::select_f(V::mask_or(V::eq_f(d, zero), nonfinite(inv)), zero, inv));
+    V::store_u16(dh, V::f32_to_f16_hw(d));
+    for (int i = 0; i < n; ++i) {
+      u8* const qs = dst[i] + 2;
+      if ((poisoned >> i) & 1u) {
+        u16 const scale = detail::poisoned_f16_scale;
+        std::memcpy(dst[i], &scale, 2);
+        std::memset(qs, Q4 ? 0x88 : 0, Q4 ? detail::qk_ggml / 2 : detail::qk_ggml);  // neutral codes
+        continue;
+      }
+      std::memcpy(dst[i], &dh[i], 2);
+      if constexpr (Q4)
+        q4_0_codes(x[i], id[i], qs);
+      else
+        q8_0_codes(x[i], id[i], qs);
+    }
   }
 
   /// Writes the 32 codes of a finite q8_0 block: roundf(x * id).
@@ -246,28 +304,6 @@ struct simd_codecs {
     for (int k = 0; k < kq / 2; ++k) V::store_u8(qs + k * W, V::or_i(c[k], V::template slli<4>(c[k + kq / 2])));
   }
 
-  /// Encodes a batch of n (1 .. W) full blocks x[i] (32 floats each) into dst[i].
-  template <bool Q4>
-  static void ggml_batch(float const* const* x, u8* const* dst, int n) noexcept {
-    alignas(64) float amax[std::size_t{W}] = {};
-    alignas(64) float max[std::size_t{W}] = {};
-    alignas(64) std::int32_t bad[std::size_t{W}] = {};
-    alignas(64) float id[std::size_t{W}];
-    alignas(64) u16 dh[std::size_t{W}];
-    for (int i = 0; i < n; ++i) ggml_scan<Q4>(x[i], amax[i], max[i], bad[i]);
-    ggml_scales<Q4>(amax, max, bad, id, dh);
-    for (int i = 0; i < n; ++i) {
-      std::memcpy(dst[i], &dh[i], 2);
-      u8* const qs = dst[i] + 2;
-      if (bad[i])
-        std::memset(qs, Q4 ? 0x88 : 0, Q4 ? detail::qk_ggml / 2 : detail::qk_ggml);  // neutral codes
-      else if constexpr (Q4)
-        q4_0_codes(x[i], id[i], qs);
-      else
-        q8_0_codes(x[i], id[i], qs);
-    }
-  }
-
   template <bool Q4>
   static void ggml_encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst,
                                std::size_t ds) noexcept {
@@ -282,6 +318,10 @@ struct simd_codecs {
         float const* const src = x + r * xs + c;
         if (hd - c >= qk) {
           bx[n] = src;
+          // The same block eight rows on: rows are streamed while the batch computes.
+          std::ptrdiff_t const ahead = 8 * xs * static_cast<std::ptrdiff_t>(sizeof(float));
+          prefetch_at(src, ahead);
+          prefetch_at(src, ahead + 64);
         } else {
           std::memset(pad[n], 0, sizeof pad[n]);
           std::memcpy(pad[n], src, static_cast<std::size_t>(hd - c) * sizeof(float));
@@ -957,7 +997,7 @@ struct simd_codecs {
   static std::uint64_t sign_bits(std::uint64_t const* words, int i) noexcept { return words[i / 64] >> (i % 64); }
 
   /// The butterfly stages of strides 1 .. W / 2 of one vector.
-  static vf butterflies_in_vector(vf v) noexcept {
+  KVQ_CPU_ALWAYS_INLINE static vf butterflies_in_vector(vf v) noexcept {
     if constexpr (W >= 2) v = V::template butterfly<1>(v);
     if constexpr (W >= 4) v = V::template butterfly<2>(v);
     if constexpr (W >= 8) v = V::template butterfly<4>(v);
@@ -967,32 +1007,35 @@ struct simd_codecs {
 
   /// The butterfly stages of strides W .. (NV / 2) W between the vectors v[0 .. NV).
   template <int NV>
-  static void butterflies_across(vf* v) noexcept {
-    for (int hv = 1; hv < NV; hv *= 2)
-      for (int j = 0; j < NV; ++j)
-        if ((j & hv) == 0) {
-          vf const a = v[j], b = v[j + hv];
-          v[j] = V::add(a, b);
-          v[j + hv] = V::sub(a, b);
-        }
+  KVQ_CPU_ALWAYS_INLINE static void butterflies_across(vf* v) noexcept {
+    static_for<std::bit_width(unsigned{NV}) - 1>([&]<int S>() KVQ_CPU_ALWAYS_INLINE {
+      constexpr int hv = 1 << S;
+      static_for<NV / 2>([&]<int P>() KVQ_CPU_ALWAYS_INLINE {
+        constexpr int j = P / hv * 2 * hv + P % hv;  // the P-th index with (j & hv) == 0
+        vf const a = v[j], b = v[j + hv];
+        v[j] = V::add(a, b);
+        v[j + hv] = V::sub(a, b);
+      });
+    });
   }
 
   /// Rotates the block x: (NV W), channel i0 of the row, in registers (NV <= 16).
   template <bool Inverse, int NV>
-  static void rotate_block_in_registers(float* x, int i0, std::uint64_t const* words, float c) noexcept {
+  KVQ_CPU_ALWAYS_INLINE static void rotate_block_in_registers(float* x, int i0, std::uint64_t const* words,
+                                                              float c) noexcept {
     vf v[std::size_t{NV}];
-    for (int j = 0; j < NV; ++j) {
-      v[j] = V::load(x + j * W);
-      if constexpr (!Inverse) v[j] = V::flip_signs(v[j], sign_bits(words, i0 + j * W));
-      v[j] = butterflies_in_vector(v[j]);
-    }
+    static_for<NV>([&]<int J>() KVQ_CPU_ALWAYS_INLINE {
+      v[J] = V::load(x + J * W);
+      if constexpr (!Inverse) v[J] = V::flip_signs(v[J], sign_bits(words, i0 + J * W));
+      v[J] = butterflies_in_vector(v[J]);
+    });
     butterflies_across<NV>(v);
     vf const cv = V::set1(c);
-    for (int j = 0; j < NV; ++j) {
-      vf y = V::mul(v[j], cv);
-      if constexpr (Inverse) y = V::flip_signs(y, sign_bits(words, i0 + j * W));
-      V::store(x + j * W, y);
-    }
+    static_for<NV>([&]<int J>() KVQ_CPU_ALWAYS_INLINE {
+      vf y = V::mul(v[J], cv);
+      if constexpr (Inverse) y = V::flip_signs(y, sign_bits(words, i0 + J * W));
+      V::store(x + J * W, y);
+    });
   }
 
   /// Rotates the block x: (n), n > 16 W, channel i0 of the row: the stages up to stride 8 W in
@@ -1025,12 +1068,29 @@ struct simd_codecs {
     }
   }
 
-  /// R x (Inverse: R^T x) of one row x: (head_dim) in place.
+  /// The rotation blocks of a head_dim (offset, size, c_n), computed once for a batch of rows.
+  struct rotation_plan {
+    int count = 0;
+    int offset[32];
+    int size[32];
+    float scale[32];
+    explicit rotation_plan(int head_dim) noexcept {
+      for (int o = 0; o < head_dim && count < 32; ++count) {
+        offset[count] = o;
+        size[count] = detail::rotation_block_size(head_dim, o);
+        scale[count] = detail::rotation_scale(size[count]);
+        o += size[count];
+      }
+    }
+  };
+
+  /// R x (Inverse: R^T x) of one row x: (head_dim) in place, its blocks given by `plan`.
   template <bool Inverse>
-  static void rotate_row(float* x, int head_dim, std::uint64_t const* words) noexcept {
-    for (int o = 0; o < head_dim;) {
-      int const n = detail::rotation_block_size(head_dim, o);
-      float const c = detail::rotation_scale(n);
+  static void rotate_row(float* x, rotation_plan const& plan, std::uint64_t const* words) noexcept {
+    for (int k = 0; k < plan.count; ++k) {
+      int const o = plan.offset[k];
+      int const n = plan.size[k];
+      float const c = plan.scale[k];
       float* const b = x + o;
       if (n == W) {
         rotate_block_in_registers<Inverse, 1>(b, o, words, c);
@@ -1052,14 +1112,31 @@ struct simd_codecs {
         if constexpr (Inverse)
           for (int i = 0; i < n; ++i) b[i] = detail::rotation_apply_sign(b[i], words[(o + i) / 64], (o + i) % 64);
       }
-      o += n;
     }
   }
 
   template <bool Inverse>
   static void rotate_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,
                           std::uint64_t const* words) noexcept {
-    for (std::int64_t r = 0; r < rows; ++r) rotate_row<Inverse>(x + r * stride, head_dim, words);
+    rotation_plan const plan(head_dim);
+    // One block of 1-16 vectors (head_dim 64 or 128 and the like): the block's kernel chosen once.
+    auto const single = [&]<int NV>() {
+      for (std::int64_t r = 0; r < rows; ++r)
+        rotate_block_in_registers<Inverse, NV>(x + r * stride, 0, words, plan.scale[0]);
+    };
+    if (plan.count == 1) {
+      switch (plan.size[0] / W * (plan.size[0] % W == 0 ? 1 : 0)) {
+        case 4:
+          return single.template operator()<4>();
+        case 8:
+          return single.template operator()<8>();
+        case 16:
+          return single.template operator()<16>();
+        default:
+          break;
+      }
+    }
+    for (std::int64_t r = 0; r < rows; ++r) rotate_row<Inverse>(x + r * stride, plan, words);
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -1129,7 +1206,7 @@ struct simd_codecs {
   /// The 32 partial sums p (32 / W vectors, partial l at lane l % W of p[l / W]) reduced by the
   /// reference's tree: p_l += p_(l + w) for l < w, w = 16, 8, 4, 2, 1 (between vectors while
   /// w >= W, then the lower lanes of butterfly stages, whose lane l < w is p_l + p_(l + w)).
-  static float tq_reduce(vf const* p) noexcept {
+  KVQ_CPU_ALWAYS_INLINE static float tq_reduce(vf const* p) noexcept {
     vf q[std::size_t{32 / W}];
     for (int j = 0; j < 32 / W; ++j) q[j] = p[j];
     for (int n = 32 / W; n > 1; n /= 2)
@@ -1144,33 +1221,60 @@ struct simd_codecs {
     return lane[0];
   }
 
-  /// Encodes the finite block y: (n), n >= W, coordinate `offset` of the row; returns its scale.
-  template <int B>
-  static u16 tq_encode_block(tq_tables<B> const& t, float const* y, int offset, int n, u8* codes) noexcept {
+  /// A finite rotation block of n >= W coordinates y, coordinate `offset` of its row, whose codes
+  /// go into the row's zeroed code bytes `codes` and whose scale bits go to `scale`.
+  struct tq_unit {
+    float const* y;
+    int offset;
+    int n;
+    u8* codes;
+    u8* scale;
+  };
+
+  /// The sum of squares of a block's coordinates (or centroids) as the reference's 32 partials.
+  template <class Value>
+  KVQ_CPU_ALWAYS_INLINE static void tq_squares(int n, vf* p, Value&& value) noexcept {
     constexpr int P = 32 / W;  // partial-sum vectors
-    vf p[std::size_t{P}];
     for (int j = 0; j < P; ++j) p[j] = V::set1(0.0f);
     for (int i0 = 0; i0 < n; i0 += 32)
       for (int j = 0; j < P; ++j)
         if (i0 + j * W < n) {  // (a block of 16 or 8 channels fills only the first vectors)
-          vf const v = V::load(y + i0 + j * W);
+          vf const v = value(i0 + j * W);
           p[j] = V::add(p[j], V::mul(v, v));
         }
-    float const nu = detail::tq_sqrt(tq_reduce(p));
-    if (nu == 0.0f) return 0;
-    vf const k = V::set1(detail::div_rn(detail::tq_sqrt(static_cast<float>(n)), nu));
-    for (int j = 0; j < P; ++j) p[j] = V::set1(0.0f);
-    for (int i0 = 0; i0 < n; i0 += 32)
-      for (int j = 0; j < P; ++j)
-        if (i0 + j * W < n) {
-          int const i = i0 + j * W;
-          vi const q = tq_codes_of<B>(t, V::mul(V::load(y + i), k));
-          tq_put_codes<B>(codes, offset + i, q);
-          vf const c = V::template lookup_symmetric<B>(t.centroids, q);
-          p[j] = V::add(p[j], V::mul(c, c));
-        }
-    float const rho = detail::tq_sqrt(tq_reduce(p));
-    return detail::f32_to_f16_bits(detail::div_rn(nu, rho));
+  }
+
+  /// Encodes U units, each phase over all of them in turn: the norms, then the codes and the
+  /// centroid norms, then the scales (the serial sqrt / divide chains of the units overlap).
+  template <int B, int U>
+  static void tq_encode_units(tq_tables<B> const& t, tq_unit const* u) noexcept {
+    constexpr int P = 32 / W;
+    vf p[std::size_t{U}][std::size_t{P}];
+    float nu[std::size_t{U}];
+    static_for<U>([&]<int R>() KVQ_CPU_ALWAYS_INLINE {
+      tq_squares(u[R].n, p[R], [&](int i) KVQ_CPU_ALWAYS_INLINE { return V::load(u[R].y + i); });
+    });
+    static_for<U>([&]<int R>() KVQ_CPU_ALWAYS_INLINE { nu[R] = detail::tq_sqrt(tq_reduce(p[R])); });
+    static_for<U>([&]<int R>() KVQ_CPU_ALWAYS_INLINE {
+      if (nu[R] == 0.0f) return;  // a block of zeros: scale +0, codes 0
+      vf const k = V::set1(detail::div_rn(detail::tq_sqrt(static_cast<float>(u[R].n)), nu[R]));
+      tq_squares(u[R].n, p[R], [&](int i) KVQ_CPU_ALWAYS_INLINE {
+        vi const q = tq_codes_of<B>(t, V::mul(V::load(u[R].y + i), k));
+        tq_put_codes<B>(u[R].codes, u[R].offset + i, q);
+        return V::template lookup_symmetric<B>(t.centroids, q);
+      });
+    });
+    // The scales nu / rho rounded to f16 together (finite or +Inf: the conversion is exact RNE).
+    alignas(64) float scale[std::size_t{W}] = {};
+    alignas(64) u16 bits[std::size_t{W}];
+    static_for<U>([&]<int R>() KVQ_CPU_ALWAYS_INLINE {
+      if (nu[R] != 0.0f) scale[R] = detail::div_rn(nu[R], detail::tq_sqrt(tq_reduce(p[R])));
+    });
+    V::store_u16(bits, V::f32_to_f16_hw(V::load(scale)));
+    for (int r = 0; r < U; ++r) {
+      u[r].scale[0] = static_cast<u8>(bits[r] & 0xffu);
+      u[r].scale[1] = static_cast<u8>(bits[r] >> 8);
+    }
   }
 
   template <int B>
@@ -1179,6 +1283,9 @@ struct simd_codecs {
     tq_tables<B> const t;
     int const blocks = detail::rotation_block_count(hd);
     int const code_bytes = (B * hd + 7) / 8;
+    constexpr int U = 4;  // units encoded together
+    tq_unit pending[U];
+    int m = 0;
     for (std::int64_t r = 0; r < rows; ++r) {
       float const* y = x + r * xs;
       u8* const row = dst + static_cast<std::size_t>(r) * ds;
@@ -1196,12 +1303,19 @@ struct simd_codecs {
       int block = 0;
       for (int o = 0; o < hd; ++block) {
         int const n = detail::rotation_block_size(hd, o);
-        u16 const scale = n >= W ? tq_encode_block<B>(t, y + o, o, n, codes)
-                                 : detail::tq_encode_block(B, y + o, o, n, codes, t.centroid, t.boundary);
-        detail::tq_set_scale_bits(row, block, scale);
+        if (n >= W) {
+          pending[m++] = {y + o, o, n, codes, row + 2 * block};
+          if (m == U) {
+            tq_encode_units<B, U>(t, pending);
+            m = 0;
+          }
+        } else {
+          detail::tq_set_scale_bits(row, block, detail::tq_encode_block(B, y + o, o, n, codes, t.centroid, t.boundary));
+        }
         o += n;
       }
     }
+    for (int k = 0; k < m; ++k) tq_encode_units<B, 1>(t, pending + k);
   }
 
   template <int B>
