@@ -136,7 +136,7 @@ auto inexact_tie(float target, float id) -> float {
   return target / id;
 }
 
-constexpr int row_kinds = 19;
+constexpr int row_kinds = 20;
 
 /// Fills x[0 .. n) with a row of the given kind (kinds 0 .. row_kinds - 1).
 void make_row(int kind, float* x, int n, std::mt19937& rng) {
@@ -257,6 +257,19 @@ void make_row(int kind, float* x, int n, std::mt19937& rng) {
       for (int i = 0; i < n; ++i)
         x[i] = (i % 16 == 0 ? sgn() * 24.0f : static_cast<float>(std::uniform_int_distribution<int>(-24, 24)(rng))) *
                0.25f * unit;
+      break;
+    }
+    case 19:  // fp4 midpoints: ±6·2^k leads every 16 values, the others 0 .. 4 ulps from (K[c] + K[c + 1]) / 2 · h
+    {
+      float const unit = std::ldexp(1.0f, std::uniform_int_distribution<int>(-130, 100)(rng));
+      float const mids[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 5.5f, 6.0f};  // h = unit / 2
+      for (int i = 0; i < n; ++i) {
+        float v = i % 16 == 0 ? 6.0f : mids[rng() % 9];
+        v *= unit;
+        for (int k = static_cast<int>(rng() % 5) - 2; k != 0; k += k > 0 ? -1 : 1)
+          v = std::nextafter(v, k > 0 ? std::numeric_limits<float>::infinity() : 0.0f);
+        x[i] = sgn() * v;
+      }
       break;
     }
     default:  // finite random bits with small exponents, then one large element
@@ -615,6 +628,53 @@ TEST_CASE("mxfp4 and nvfp4 rows are bit-exact on every ISA, several scales", "[s
     check_row_codec_all_isas<kvq::mxfp4>(p, what);
     check_row_codec_all_isas<kvq::nvfp4>(p, what);
   }
+}
+
+/// Block magnitudes at every boundary of the FP4 scales: the mxfp4 exponent's log2f round-up (the
+/// last 50 floats below each power of two), every nvfp4 UE4M3 rounding point of amax / 6 (normal
+/// and subnormal branches, and saturation) with neighbours a few ulps apart.
+auto fp4_scale_boundaries() -> std::vector<float> {
+  std::vector<float> v;
+  for (u32 e = 1; e < 255; ++e)
+    for (u32 j = 0; j < 50; ++j) v.push_back(from_bits((e << 23) - j));
+  auto const around = [&](float c) {
+    for (int k = -3; k <= 3; ++k) v.push_back(from_bits(static_cast<u32>(static_cast<std::int64_t>(kvq_test::bits(c)) + k)));
+  };
+  for (u32 e = 100; e < 140; ++e)
+    for (u32 top = 0; top < 16; ++top) around(from_bits(e << 23 | top << 19) * 6.0f);
+  for (int m = 0; m < 8; ++m) around((static_cast<float>(m) + 0.5f) / 512.0f * 6.0f);
+  for (float c : {0.015625f * 6.0f, 256.0f * 6.0f, 448.0f * 6.0f, 480.0f * 6.0f}) around(c);
+  return v;
+}
+
+/// Rows whose FP4 groups (Per values) each have one of the boundary magnitudes as their amax.
+template <class Isa, class C, int Per>
+void check_fp4_scales() {
+  INFO(Isa::name << " " << C::name);
+  auto const amax = fp4_scale_boundaries();
+  int const hd = 64;
+  int const rows = static_cast<int>((amax.size() * Per + hd - 1) / hd);
+  std::vector<float> x(static_cast<std::size_t>(rows) * hd, 0.0f);
+  for (std::size_t g = 0; g < amax.size(); ++g)
+    for (int j = 0; j < Per; ++j)
+      x[g * Per + static_cast<std::size_t>(j)] =
+          (j % 2 ? -1.0f : 1.0f) * amax[g] * (j == 3 ? 1.0f : static_cast<float>(j) / Per);
+  std::size_t const ds = C::geometry(hd).bytes();
+  std::vector<u8> want(static_cast<std::size_t>(rows) * ds), got(want.size());
+  for (int r = 0; r < rows; ++r) C::encode_row(x.data() + r * hd, hd, want.data() + r * ds, kvq::fp4_params{});
+  Isa::template encode_rows<C>(x.data(), hd, rows, hd, got.data(), ds, kvq::fp4_params{});
+  auto const d = first_diff(want.data(), got.data(), want.size());
+  if (d >= 0)
+    UNSCOPED_INFO("first difference at row " << static_cast<std::size_t>(d) / ds << " byte "
+                                             << static_cast<std::size_t>(d) % ds);
+  CHECK(d == -1);
+}
+
+TEST_CASE("mxfp4 and nvfp4 scales are bit-exact on every ISA at every rounding boundary", "[simd][fp4]") {
+  for_each_isa([&]<class Isa>() {
+    check_fp4_scales<Isa, kvq::mxfp4, 32>();
+    check_fp4_scales<Isa, kvq::nvfp4, 16>();
+  });
 }
 
 // -------------------------------------------------------------------------------------------------

@@ -159,6 +159,19 @@ struct ops {
   static void store_u8(std::uint8_t* p, vi v) noexcept {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
   }
+  /// Lanes j < 8: p[j] & 15, lanes j >= 8: p[j - 8] >> 4 (FP4 groups of 16 in 8 bytes); reads 8 bytes.
+  static vi load_nibble_halves(std::uint8_t const* p) noexcept {
+    std::int64_t w;
+    std::memcpy(&w, p, 8);
+    __m512i const b = _mm512_cvtepu8_epi32(_mm_set1_epi64x(w));
+    return _mm512_and_si512(_mm512_srlv_epi32(b, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4)),
+                            _mm512_set1_epi32(15));
+  }
+  /// p[j] = v_j | v_(j + 8) << 4 for j < 8 (lanes hold 4-bit codes); writes 8 bytes.
+  static void store_nibble_halves(std::uint8_t* p, vi v) noexcept {
+    __m512i const b = _mm512_or_si512(v, _mm512_slli_epi32(_mm512_alignr_epi32(v, v, 8), 4));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(b));
+  }
   static vi load_u16(std::uint16_t const* p) noexcept {
     return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
   }

@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -216,14 +217,15 @@ struct simd_codecs {
   // are computed in one vector — the same divisions and fp16 rounding as the reference, lane by
   // lane — and finally each block's codes are written with its scale broadcast.
 
-  /// Lane i: the largest |x| bits of block x[i] (i < n; 0 for the other lanes).
-  static vi ggml_magnitudes(float const* const* x, int n) noexcept {
+  /// Lane i: the largest |x| bits of block x[i] of K vectors (i < n; 0 for the other lanes).
+  template <int K>
+  static vi block_magnitudes(float const* const* x, int n) noexcept {
     vi const magnitude = V::set1_i(0x7fffffff);
     vi m[std::size_t{W}];
     for (int i = 0; i < W; ++i) {
       m[i] = V::set1_i(0);
       if (i < n)
-        for (int k = 0; k < kq; ++k) m[i] = V::max_i(m[i], V::and_i(V::bits(V::load(x[i] + k * W)), magnitude));
+        for (int k = 0; k < K; ++k) m[i] = V::max_i(m[i], V::and_i(V::bits(V::load(x[i] + k * W)), magnitude));
     }
     return V::max_lanes_i(m);
   }
@@ -242,7 +244,7 @@ struct simd_codecs {
   /// neutral codes for a block holding NaN or Inf).
   template <bool Q4>
   static void ggml_batch(float const* const* x, u8* const* dst, int n) noexcept {
-    vi const amax_bits = ggml_magnitudes(x, n);
+    vi const amax_bits = block_magnitudes<kq>(x, n);
     unsigned const poisoned = V::mask_bits(V::gt_i(amax_bits, V::set1_i(0x7f7fffff)));
     vf d;
     if constexpr (Q4) {
@@ -318,10 +320,13 @@ struct simd_codecs {
         float const* const src = x + r * xs + c;
         if (hd - c >= qk) {
           bx[n] = src;
-          // The same block eight rows on: rows are streamed while the batch computes.
-          std::ptrdiff_t const ahead = 8 * xs * static_cast<std::ptrdiff_t>(sizeof(float));
-          prefetch_at(src, ahead);
-          prefetch_at(src, ahead + 64);
+          // The same block eight rows on, when the call has that row: rows are streamed while the
+          // batch computes (a prefetch past the last row measured slower on small scratch inputs).
+          if (r + 8 < rows) {
+            std::ptrdiff_t const ahead = 8 * xs * static_cast<std::ptrdiff_t>(sizeof(float));
+            prefetch_at(src, ahead);
+            prefetch_at(src, ahead + 64);
+          }
         } else {
           std::memset(pad[n], 0, sizeof pad[n]);
           std::memcpy(pad[n], src, static_cast<std::size_t>(hd - c) * sizeof(float));
@@ -438,10 +443,20 @@ struct simd_codecs {
   // The reference scans all 16 codes of ggml's table for the first of least error |K*h - x|. The
   // table is symmetric (K[c + 8] = -K[c]) and rounding to nearest is too, so that code is the
   // first of least error |K*h - |x|| among codes 0..7, plus 8 when x < 0 and the code is not 0
-  // (the negative half never wins a tie, being scanned later): the lanes run those 7 candidates
-  // with the reference's subtraction and strict comparison.
+  // (the negative half never wins a tie, being scanned later).
+  //
+  // When h > 0 and |x| <= 24 h (with 24 h finite), that code is the number of midpoints
+  // (K[k] + K[k+1]) / 2 * h = 0.5, 1.5, 2.5, 3.5, 5, 7, 10 times h strictly below |x|: K[k+1] <= 2 K[k]
+  // for k >= 1, so for |x| between two neighbours both errors are exact (Sterbenz), and the tie at a
+  // midpoint goes to the lower code as in the reference; below h / 2 code 0's error |x| is exact and
+  // code 1's rounds to at least h / 2; codes further away trail by at least h / 2, far beyond any
+  // rounding. The midpoints are exact (h has at most 4 significant bits). Otherwise (nvfp4's scale
+  // saturated at 448 or flushed to 0, mxfp4 near FLT_MAX) the lanes run the reference's scan.
+  //
+  // Encoding runs over batches of W scale groups (an mxfp4 block, an nvfp4 sub-block) across
+  // blocks and rows, like q8_0's: their magnitudes reduced across lanes together.
 
-  /// FP4 codes (one per lane) of the finite values v at half-scale h.
+  /// FP4 codes (one per lane) of finite values by the reference's scan of the 7 candidates.
   struct fp4_candidates {
     vf t[8];
     explicit fp4_candidates(float h) noexcept {
@@ -449,8 +464,7 @@ struct simd_codecs {
       detail::fp4_encode_table(h, table);
       for (int k = 0; k < 8; ++k) t[k] = V::set1(table[k]);
     }
-    vi codes(vf v) const noexcept {
-      vf const a = V::abs(v);
+    vi magnitude_codes(vf a) const noexcept {
       vf best_err = a;  // code 0: |0 - |x|| = |x|
       vi best = V::set1_i(0);
       for (int k = 1; k < 8; ++k) {
@@ -459,94 +473,177 @@ struct simd_codecs {
         best_err = V::select_f(better, err, best_err);
         best = V::select_i(better, V::set1_i(k), best);
       }
-      vi const sign = V::template slli<3>(V::template srli<31>(V::bits(v)));  // 8 for x < 0 (and -0)
-      return V::select_i(V::eq_i(best, V::set1_i(0)), best, V::or_i(best, sign));
+      return best;
+    }
+    /// The codes of finite v: the code of |v|, plus 8 for negative v (-0 included) unless it is 0.
+    vi codes(vf v) const noexcept {
+      vi const mag = magnitude_codes(V::abs(v));
+      vi const sign = V::template slli<3>(V::template srli<31>(V::bits(v)));
+      return V::select_i(V::eq_i(mag, V::set1_i(0)), mag, V::or_i(mag, sign));
     }
   };
 
-  /// Loads the n (1 .. NV * W) values of x divided by the codec scale into v[0, NV), zeros after.
-  template <int NV>
-  static void fp4_load(float const* x, int n, fp4_params const& p, vf* v) noexcept {
-    bool const divide = p.scale != 1.0f;  // x / 1 == x (a NaN stays a NaN, which poisons either way)
-    vf const s = V::set1(p.scale);
-    for (int k = 0; k < NV; ++k) {
-      vf const raw = (k + 1) * W <= n ? V::load(x + k * W) : load_pad(x + k * W, n - k * W, 0.0f);
-      v[k] = divide ? V::div(raw, s) : raw;
+  /// The midpoints of a batch of W groups: mid[k][i] = (K[k] + K[k + 1]) / 2 * h_i (k < 7), and
+  /// mid[7][i] = -h_i / 2, each read back broadcast (a memory operand of the compares).
+  struct fp4_midpoints {
+    alignas(64) float mid[8][std::size_t{W}];
+    explicit fp4_midpoints(vf h) noexcept {
+      constexpr float c[8] = {0.5f, 1.5f, 2.5f, 3.5f, 5.0f, 7.0f, 10.0f, -0.5f};
+      for (int k = 0; k < 8; ++k) V::store(mid[k], V::mul(h, V::set1(c[k])));
+    }
+    /// The codes of finite v of group i (|v| <= 24 h_i, h_i > 0): the midpoints below |v|, plus 8
+    /// for v < -h_i / 2 (negative with a code other than 0).
+    KVQ_CPU_ALWAYS_INLINE vi codes(vf v, int i) const noexcept {
+      vf const a = V::abs(v);
+      vi const one = V::set1_i(1);
+      vi c = V::set1_i(0);
+      for (int k = 0; k < 7; ++k) c = V::select_i(V::gt_f(a, V::set1(mid[k][i])), V::add_i(c, one), c);
+      return V::select_i(V::gt_f(V::set1(mid[7][i]), v), V::or_i(c, V::set1_i(8)), c);
+    }
+  };
+
+  /// Writes the Per / 2 nibble bytes of the codes c of a group: value j in the low nibble of byte
+  /// j, value j + Per / 2 in the high nibble.
+  template <int Per>
+  KVQ_CPU_ALWAYS_INLINE static void fp4_store_codes(vi const* c, u8* qs) noexcept {
+    constexpr int nv = Per / W;
+    if constexpr (2 * W <= Per) {
+      for (int k = 0; k < nv / 2; ++k) V::store_u8(qs + k * W, V::or_i(c[k], V::template slli<4>(c[k + nv / 2])));
+    } else {  // one vector holds both halves
+      static_assert(W == Per, "an FP4 scale group spans whole vectors");
+      V::store_nibble_halves(qs, c[0]);
     }
   }
 
-  /// amax of v[0, NV) and whether any lane is NaN or infinite.
-  template <int NV>
-  static float fp4_amax(vf const* v, bool& finite) noexcept {
-    vf amax = V::set1(0.0f);
-    vm bad = V::mask_false();
-    for (int k = 0; k < NV; ++k) {
-      amax = V::max(amax, V::abs(v[k]));
-      bad = V::mask_or(bad, nonfinite(v[k]));
-    }
-    finite = !V::any(bad);
-    return V::reduce_max(amax);
+  /// Lane-wise detail::mxfp4_exponent of finite magnitudes (their bits b).
+  static vi mxfp4_exponents(vi b) noexcept {
+    vi const biased = V::template srli<23>(b);
+    vi const k = V::sub_i(biased, V::set1_i(126));  // floor(log2(amax)) + 1
+    vi const a = V::max_i(k, V::sub_i(V::set1_i(1), k));
+    // detail::mxfp4_log2_roundup(k): how many floats below 2^k have log2f rounded up to k
+    constexpr int bound[6] = {2, 4, 8, 16, 32, 64}, count[6] = {1, 2, 5, 11, 22, 44};
+    vi roundup = V::set1_i(0);
+    for (int j = 0; j < 6; ++j) roundup = V::select_i(V::gt_i(a, V::set1_i(bound[j])), V::set1_i(count[j]), roundup);
+    vi const next = V::template slli<23>(V::add_i(biased, V::set1_i(1)));  // bits of 2^k (Inf for k = 128)
+    vm const up = V::gt_i(V::add_i(b, roundup), V::sub_i(next, V::set1_i(1)));
+    vi const e =
+        V::max_i(V::add_i(V::sub_i(biased, V::set1_i(2)), V::select_i(up, V::set1_i(1), V::set1_i(0))), V::set1_i(0));
+    return V::select_i(V::eq_i(biased, V::set1_i(0)), V::set1_i(0), e);
   }
 
-  /// Encodes n (1 .. 32) values into one mxfp4 block (mxfp4::encode_block, bit for bit).
-  static void mxfp4_encode_block(float const* x, int n, u8* dst, fp4_params const& p) noexcept {
-    constexpr int nv = detail::qk_mxfp4 / W;
-    detail::block_mxfp4 b{};
-    vf v[std::size_t{nv}];
-    fp4_load<nv>(x, n, p, v);
-    bool finite = true;
-    float const amax = fp4_amax<nv>(v, finite);
-    if (!finite) {
-      b.e = detail::mxfp4_poisoned_scale;  // codes 0
+  /// Lane-wise detail::mxfp4_half_scale.
+  static vf mxfp4_half_scales(vi e) noexcept {
+    vi const low = V::select_i(V::eq_i(e, V::set1_i(0)), V::set1_i(0x00200000), V::set1_i(0x00400000));
+    vi const normal = V::template slli<23>(V::sub_i(e, V::set1_i(1)));
+    return V::from_bits(V::select_i(V::gt_i(e, V::set1_i(1)), normal, low));
+  }
+
+  /// Lane-wise detail::nvfp4_scale_code of s >= 0.
+  static vi nvfp4_scale_codes(vf s) noexcept {
+    s = V::min(s, V::set1(448.0f));
+    vi const sub = V::min_i(V::cvtt(V::add(V::mul(s, V::set1(512.0f)), V::set1(0.5f))), V::set1_i(7));
+    vi const b = V::bits(s);
+    vi const e7 = V::sub_i(V::template srli<23>(b), V::set1_i(120));  // exponent + 7
+    vi const f = V::and_i(b, V::set1_i(0x007fffff));
+    vi const m = V::add_i(V::template srli<20>(f), V::and_i(V::template srli<19>(f), V::set1_i(1)));  // half up
+    vi const code = V::add_i(V::template slli<3>(e7), m);  // m = 8 carries into the exponent
+    vi const normal = V::select_i(V::gt_i(code, V::set1_i(0x77)), V::set1_i(0x7e), code);
+    return V::select_i(V::gt_f(V::set1(0.015625f), s), sub, normal);
+  }
+
+  /// Lane-wise detail::nvfp4_half_scale of codes other than 0x7F.
+  static vf nvfp4_half_scales(vi code) noexcept {
+    vi const ex = V::and_i(V::template srli<3>(code), V::set1_i(15));
+    vi const m = V::and_i(code, V::set1_i(7));
+    vf const sub = V::mul(V::cvt_f(m), V::set1(0.0009765625f));
+    vf const normal =
+        V::from_bits(V::or_i(V::template slli<23>(V::add_i(ex, V::set1_i(119))), V::template slli<20>(m)));
+    return V::select_f(V::eq_i(ex, V::set1_i(0)), sub, normal);
+  }
+
+  /// Encodes a batch of n (1 .. W) groups of Per values x[i] (divided by the codec scale): the
+  /// scale byte to scale[i], the codes to qs[i]. The scales and midpoints of the batch are computed
+  /// lane-wise.
+  template <bool Mx, int Per>
+  static void fp4_batch(float const* const* x, u8* const* scale, u8* const* qs, int n) noexcept {
+    constexpr int nv = Per / W;
+    vi const amax_bits = block_magnitudes<nv>(x, n);
+    unsigned const poisoned = V::mask_bits(V::gt_i(amax_bits, V::set1_i(0x7f7fffff)));
+    vi code;
+    vf h;
+    if constexpr (Mx) {
+      code = mxfp4_exponents(amax_bits);
+      h = mxfp4_half_scales(code);
     } else {
-      b.e = detail::mxfp4_exponent(amax);
-      fp4_candidates const cand(detail::mxfp4_half_scale(b.e));
-      alignas(64) u8 codes[detail::qk_mxfp4];
-      for (int k = 0; k < nv; ++k) V::store_u8(codes + k * W, cand.codes(v[k]));
-      for (int j = 0; j < 16; ++j) b.qs[j] = static_cast<u8>(codes[j] | (codes[j + 16] << 4));
+      code = nvfp4_scale_codes(V::div(V::from_bits(amax_bits), V::set1(6.0f)));
+      h = nvfp4_half_scales(code);
     }
-    std::memcpy(dst, &b, sizeof b);
-  }
-
-  /// Encodes n (1 .. 64) values into one nvfp4 block (nvfp4::encode_block, bit for bit).
-  static void nvfp4_encode_block(float const* x, int n, u8* dst, fp4_params const& p) noexcept {
-    constexpr int sub = detail::qk_nvfp4_sub;
-    constexpr int nv = sub / W;  // vectors per sub-block
-    detail::block_nvfp4 b{};
-    vf v[std::size_t{4 * nv}];
-    fp4_load<4 * nv>(x, n, p, v);
-    for (int s = 0; s < 4; ++s) {
-      bool finite = true;
-      float const amax = fp4_amax<nv>(v + s * nv, finite);
-      if (!finite) {
-        b.d[s] = detail::nvfp4_poisoned_scale;  // codes 0
+    // Groups coded by midpoints: h > 0 and amax <= 24 h finite (false for NaN and Inf amax).
+    vf const top = V::mul(h, V::set1(24.0f));
+    unsigned const by_midpoints = V::mask_bits(V::gt_f(h, V::set1(0.0f))) &
+                                  V::mask_bits(V::le_f(V::from_bits(amax_bits), top)) &
+                                  V::mask_bits(V::le_f(top, V::set1(std::numeric_limits<float>::max())));
+    fp4_midpoints const mid(h);
+    alignas(64) u8 byte[std::size_t{W}];
+    V::store_u8(byte, code);
+    for (int i = 0; i < n; ++i) {
+      vi c[std::size_t{nv}];
+      if ((by_midpoints >> i) & 1u) {
+        *scale[i] = byte[i];
+        for (int k = 0; k < nv; ++k) c[k] = mid.codes(V::load(x[i] + k * W), i);
+      } else if ((poisoned >> i) & 1u) {
+        *scale[i] = Mx ? detail::mxfp4_poisoned_scale : detail::nvfp4_poisoned_scale;
+        std::memset(qs[i], 0, Per / 2);
         continue;
+      } else {
+        *scale[i] = byte[i];
+        fp4_candidates const cand(Mx ? detail::mxfp4_half_scale(byte[i]) : detail::nvfp4_half_scale(byte[i]));
+        for (int k = 0; k < nv; ++k) c[k] = cand.codes(V::load(x[i] + k * W));
       }
-      b.d[s] = detail::nvfp4_scale_code(detail::div_rn(amax, 6.0f));
-      fp4_candidates const cand(detail::nvfp4_half_scale(b.d[s]));
-      alignas(64) u8 codes[sub];
-      for (int k = 0; k < nv; ++k) V::store_u8(codes + k * W, cand.codes(v[s * nv + k]));
-      for (int j = 0; j < 8; ++j) b.qs[8 * s + j] = static_cast<u8>(codes[j] | (codes[j + 8] << 4));
+      fp4_store_codes<Per>(c, qs[i]);
     }
-    std::memcpy(dst, &b, sizeof b);
   }
 
   template <bool Mx>
   static void fp4_encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst, std::size_t ds,
                               fp4_params const& p) noexcept {
     constexpr int qk = Mx ? detail::qk_mxfp4 : detail::qk_nvfp4;
+    constexpr int per = Mx ? detail::qk_mxfp4 : detail::qk_nvfp4_sub;  // values per scale
+    constexpr int groups = qk / per;
     constexpr std::size_t bytes = Mx ? sizeof(detail::block_mxfp4) : sizeof(detail::block_nvfp4);
+    bool const divide = p.scale != 1.0f;  // x / 1 == x (a NaN stays a NaN, which poisons either way)
+    vf const sv = V::set1(p.scale);
+    alignas(64) float pad[std::size_t{W}][per];  // groups divided by the scale or zero-padded past head_dim
+    float const* gx[std::size_t{W}];
+    u8* gs[std::size_t{W}];
+    u8* gq[std::size_t{W}];
+    int n = 0;
     for (std::int64_t r = 0; r < rows; ++r) {
-      float const* const row = x + r * xs;
-      u8* out = dst + static_cast<std::size_t>(r) * ds;
-      for (int c = 0; c < hd; c += qk, out += bytes) {
-        int const n = hd - c < qk ? hd - c : qk;
-        if constexpr (Mx)
-          mxfp4_encode_block(row + c, n, out, p);
-        else
-          nvfp4_encode_block(row + c, n, out, p);
+      for (int c = 0; c < hd; c += qk) {
+        u8* const block = dst + static_cast<std::size_t>(r) * ds + static_cast<std::size_t>(c / qk) * bytes;
+        for (int g = 0; g < groups; ++g) {
+          int const at = c + g * per, have = hd - at;  // the group's values in the row (<= 0: none)
+          if (!divide && have >= per) {
+            gx[n] = x + r * xs + at;
+          } else {
+            for (int k = 0; k < per; k += W) {
+              vf const raw = k + W <= have ? V::load(x + r * xs + at + k)
+                             : k < have    ? load_pad(x + r * xs + at + k, have - k, 0.0f)
+                                           : V::set1(0.0f);
+              V::store(pad[n] + k, divide ? V::div(raw, sv) : raw);
+            }
+            gx[n] = pad[n];
+          }
+          gs[n] = block + g;
+          gq[n] = block + groups + g * (per / 2);
+          if (++n == W) {
+            fp4_batch<Mx, per>(gx, gs, gq, n);
+            n = 0;
+          }
+        }
       }
     }
+    if (n) fp4_batch<Mx, per>(gx, gs, gq, n);
   }
 
   /// Decodes the first n values of one mxfp4 (n <= 32) or nvfp4 (n <= 64) block
@@ -574,11 +671,9 @@ struct simd_codecs {
         if constexpr (W <= half) {
           vi const b = V::load_u8(gq + (j % half));
           nib = j < half ? V::and_i(b, V::set1_i(15)) : V::template srli<4>(b);
-        } else {  // a vector spans both nibbles of the group's bytes
-          alignas(64) u8 c[std::size_t{W}] = {};
-          for (int l = 0; l < W && j + l < per; ++l)
-            c[l] = static_cast<u8>(j + l < half ? gq[j + l] & 15 : gq[j + l - half] >> 4);
-          nib = V::load_u8(c);
+        } else {  // one vector holds both halves
+          static_assert(W == per, "an FP4 scale group spans whole vectors");
+          nib = V::load_nibble_halves(gq);
         }
         vf r = V::mul(V::template lookup<4>(t, nib), hv);
         if (scaled) r = V::mul(r, sv);
