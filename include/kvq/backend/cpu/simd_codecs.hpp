@@ -984,6 +984,8 @@ struct simd_codecs {
           mn[k] = V::min(mn[k], v);
           mx[k] = V::max(mx[k], v);
           bad[k] = V::mask_or(bad[k], nonfinite(v));
+          // The same line of the next tile (G tokens on), streamed while this one computes.
+          if ((k * W * sizeof(float)) % 64 == 0) prefetch_at(row + k * W, G * ts * std::ptrdiff_t{sizeof(float)});
         }
       }
       // kivi_make_header per channel; s and m are the stored parameters read back exactly.
