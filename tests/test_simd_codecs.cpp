@@ -638,7 +638,8 @@ auto fp4_scale_boundaries() -> std::vector<float> {
   for (u32 e = 1; e < 255; ++e)
     for (u32 j = 0; j < 50; ++j) v.push_back(from_bits((e << 23) - j));
   auto const around = [&](float c) {
-    for (int k = -3; k <= 3; ++k) v.push_back(from_bits(static_cast<u32>(static_cast<std::int64_t>(kvq_test::bits(c)) + k)));
+    for (int k = -3; k <= 3; ++k)
+      v.push_back(from_bits(static_cast<u32>(static_cast<std::int64_t>(kvq_test::bits(c)) + k)));
   };
   for (u32 e = 100; e < 140; ++e)
     for (u32 top = 0; top < 16; ++top) around(from_bits(e << 23 | top << 19) * 6.0f);
