@@ -262,14 +262,12 @@ class cpu_device {
   static auto token_rows_of(kvq_write_args const& a, void const* input, int i, int h0, int n, write_scratch& scratch,
                             row_rotation const* rot) -> std::pair<float const*, std::ptrdiff_t> {
     bool const as_is = a.src.type == kvq_elem_f32 && rot == nullptr && a.src.round_f16 == 0 && a.src.mean == 0;
-    if (as_is) {
-      std::int64_t const token = a.src.first + i - a.src.from_residual;
+    std::int64_t const token = a.src.first + i - a.src.from_residual;
+    if (as_is)
       return {static_cast<float const*>(input) + token * static_cast<std::int64_t>(a.src.token_stride) +
                   static_cast<std::int64_t>(h0) * static_cast<std::int64_t>(a.src.head_stride),
               static_cast<std::ptrdiff_t>(a.src.head_stride)};
-    }
     // Row by row: each row is rotated and rounded while it is in L1.
-    std::int64_t const token = a.src.first + i - a.src.from_residual;
     for (int k = 0; k < n; ++k) {
       read_input_row(a, input, token, h0 + k, scratch.row(k));
       finish_input_rows(a, scratch.row(k), 1, scratch.half(), rot);
