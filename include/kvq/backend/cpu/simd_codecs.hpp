@@ -820,10 +820,14 @@ struct simd_codecs {
     return real >= W ? V::load(x + ch * W) : load_pad(x + ch * W, real, x[0]);
   }
 
-  /// Encodes a batch of m (1 .. W) groups: group i has n[i] real elements at x[i] and its block
-  /// (header, `lanes` packed codes) at dst[i].
-  template <int B>
-  static void kivi_value_batch(float const* const* x, int const* n, u8* const* dst, int m, int lanes) noexcept {
+  /// Encodes a batch of m (1 .. W) groups: group i has n(i) real elements at x[i] and its block
+  /// (header, `lanes` packed codes) at dst[i]. Full > 0: every group has Full = lanes elements, a
+  /// multiple of W (the loops then have constant trip counts and no padding).
+  template <int B, int Full = 0>
+  static void kivi_value_batch(float const* const* x, int const* n_, u8* const* dst, int m, int lanes_) noexcept {
+    static_assert(Full % W == 0, "full groups are whole vectors");
+    int const lanes = Full > 0 ? Full : lanes_;
+    auto const n = [&](int i) { return Full > 0 ? Full : n_[i]; };
     constexpr int chunk_bytes = W * B / 8;
     int const chunks = (lanes + W - 1) / W;
     int const code_bytes = (lanes * B + 7) / 8;
@@ -835,7 +839,7 @@ struct simd_codecs {
       vf hi = V::set1(detail::f32_from_bits(0xff800000u));
       vm nf = V::mask_false();
       for (int ch = 0; ch < chunks; ++ch) {
-        vf const v = kivi_chunk(x[i], n[i], ch);
+        vf const v = kivi_chunk(x[i], n(i), ch);
         lo = V::min(lo, v);
         hi = V::max(hi, v);
         nf = V::mask_or(nf, nonfinite(v));
@@ -876,8 +880,8 @@ struct simd_codecs {
       vf const sv = V::set1(s[i]);
       vf const mvv = V::set1(mv[i]);
       for (int ch = 0; ch < chunks; ++ch) {
-        int const real = n[i] - ch * W;
-        vi q = kivi_codes(kivi_chunk(x[i], n[i], ch), sv, mvv, top);
+        int const real = n(i) - ch * W;
+        vi q = kivi_codes(kivi_chunk(x[i], n(i), ch), sv, mvv, top);
         if (real < W) q = V::select_i(V::lanes_below(real), q, zero);  // padding lanes hold code 0
         int const left = code_bytes - ch * chunk_bytes;
         if (left >= chunk_bytes) {
@@ -923,6 +927,9 @@ struct simd_codecs {
   static void kivi_value_encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* dst,
                                      std::size_t ds) noexcept {
     auto const g = kivi_value<B, G>::geometry(hd);
+    // Every group full and whole vectors: the batches run kivi_value_batch's constant-count form.
+    constexpr int full_lanes = G % W == 0 ? G : 0;
+    bool const full = full_lanes > 0 && hd % G == 0;
     float const* gx[std::size_t{W}];
     int gn[std::size_t{W}];
     u8* gd[std::size_t{W}];
@@ -934,7 +941,10 @@ struct simd_codecs {
         gn[m] = hd - c < g.block_channels ? hd - c : g.block_channels;
         gd[m] = dst + static_cast<std::size_t>(r) * ds + static_cast<std::size_t>(b) * g.block_bytes;
         if (++m == W) {
-          kivi_value_batch<B>(gx, gn, gd, m, g.block_channels);
+          if (full)
+            kivi_value_batch<B, full_lanes>(gx, gn, gd, m, g.block_channels);
+          else
+            kivi_value_batch<B>(gx, gn, gd, m, g.block_channels);
           m = 0;
         }
       }
