@@ -613,7 +613,8 @@ struct simd_codecs {
     constexpr std::size_t bytes = Mx ? sizeof(detail::block_mxfp4) : sizeof(detail::block_nvfp4);
     bool const divide = p.scale != 1.0f;  // x / 1 == x (a NaN stays a NaN, which poisons either way)
     vf const sv = V::set1(p.scale);
-    alignas(64) float pad[std::size_t{W}][per];  // groups divided by the scale or zero-padded past head_dim
+    alignas(
+        64) float pad[std::size_t{W}][std::size_t{per}];  // groups divided by the scale or zero-padded past head_dim
     float const* gx[std::size_t{W}];
     u8* gs[std::size_t{W}];
     u8* gq[std::size_t{W}];
@@ -995,7 +996,7 @@ struct simd_codecs {
           mx[k] = V::max(mx[k], v);
           bad[k] = V::mask_or(bad[k], nonfinite(v));
           // The same line of the next tile (G tokens on), streamed while this one computes.
-          if ((k * W * sizeof(float)) % 64 == 0) prefetch_at(row + k * W, G * ts * std::ptrdiff_t{sizeof(float)});
+          if ((k * W) % 16 == 0) prefetch_at(row + k * W, G * ts * std::ptrdiff_t{sizeof(float)});
         }
       }
       // kivi_make_header per channel; s and m are the stored parameters read back exactly.
