@@ -32,43 +32,47 @@ using u32 = std::uint32_t;
 // -------------------------------------------------------------------------------------------------
 // The instruction sets under test, each as a tag type forwarding to its namespace.
 
-#define KVQ_TEST_ISA(TAG, NS, NAME)                                                                              \
-  struct TAG {                                                                                                   \
-    static constexpr std::string_view name = NAME;                                                               \
-    template <class C>                                                                                           \
-    static void encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* d, std::size_t ds, \
-                            typename C::params_type const& p) {                                                  \
-      NS::encode_rows<C>(x, xs, rows, hd, d, ds, p);                                                             \
-    }                                                                                                            \
-    template <class C>                                                                                           \
-    static void decode_rows(u8 const* s, std::size_t ss, std::int64_t rows, int hd, float* y, std::ptrdiff_t ys, \
-                            typename C::params_type const& p) {                                                  \
-      NS::decode_rows<C>(s, ss, rows, hd, y, ys, p);                                                             \
-    }                                                                                                            \
-    template <class C>                                                                                           \
-    static void encode_tile(float const* x, std::ptrdiff_t ts, int hd, u8* d) {                                  \
-      NS::encode_tile<C>(x, ts, hd, d);                                                                          \
-    }                                                                                                            \
-    template <class C>                                                                                           \
-    static void decode_tile_tokens(u8 const* t, int hd, int first, int count, float* y, std::ptrdiff_t ys) {     \
-      NS::decode_tile_tokens<C>(t, hd, first, count, y, ys);                                                     \
-    }                                                                                                            \
-    template <class T>                                                                                           \
-    static void to_f32(T const* s, float* d, std::int64_t n) {                                                   \
-      NS::convert_to_f32(s, d, n);                                                                               \
-    }                                                                                                            \
-    template <class T>                                                                                           \
-    static void from_f32(float const* s, T* d, std::int64_t n) {                                                 \
-      NS::convert_from_f32(s, d, n);                                                                             \
-    }                                                                                                            \
-    static void rotate_forward(float* x, std::int64_t rows, std::ptrdiff_t stride, int hd,                       \
-                               std::uint64_t const* words) {                                                     \
-      NS::rotate_forward_rows(x, rows, stride, hd, words);                                                       \
-    }                                                                                                            \
-    static void rotate_inverse(float* x, std::int64_t rows, std::ptrdiff_t stride, int hd,                       \
-                               std::uint64_t const* words) {                                                     \
-      NS::rotate_inverse_rows(x, rows, stride, hd, words);                                                       \
-    }                                                                                                            \
+#define KVQ_TEST_ISA(TAG, NS, NAME)                                                                                    \
+  struct TAG {                                                                                                         \
+    static constexpr std::string_view name = NAME;                                                                     \
+    template <class C>                                                                                                 \
+    static void encode_rows(float const* x, std::ptrdiff_t xs, std::int64_t rows, int hd, u8* d, std::size_t ds,       \
+                            typename C::params_type const& p) {                                                        \
+      NS::encode_rows<C>(x, xs, rows, hd, d, ds, p);                                                                   \
+    }                                                                                                                  \
+    template <class C>                                                                                                 \
+    static void decode_rows(u8 const* s, std::size_t ss, std::int64_t rows, int hd, float* y, std::ptrdiff_t ys,       \
+                            typename C::params_type const& p) {                                                        \
+      NS::decode_rows<C>(s, ss, rows, hd, y, ys, p);                                                                   \
+    }                                                                                                                  \
+    template <class C>                                                                                                 \
+    static void encode_tile(float const* x, std::ptrdiff_t ts, int hd, u8* d) {                                        \
+      NS::encode_tile<C>(x, ts, hd, d);                                                                                \
+    }                                                                                                                  \
+    template <class C>                                                                                                 \
+    static void decode_tile_tokens(u8 const* t, int hd, int first, int count, float* y, std::ptrdiff_t ys) {           \
+      NS::decode_tile_tokens<C>(t, hd, first, count, y, ys);                                                           \
+    }                                                                                                                  \
+    template <class T>                                                                                                 \
+    static void to_f32(T const* s, float* d, std::int64_t n) {                                                         \
+      NS::convert_to_f32(s, d, n);                                                                                     \
+    }                                                                                                                  \
+    template <class T>                                                                                                 \
+    static void from_f32(float const* s, T* d, std::int64_t n) {                                                       \
+      NS::convert_from_f32(s, d, n);                                                                                   \
+    }                                                                                                                  \
+    static void to_f16_satfinite(float const* s, kvq::f16* d, std::int64_t n) {                                        \
+      NS::convert_to_f16_satfinite(s, d, n);                                                                           \
+    }                                                                                                                  \
+    static void round_f16_satfinite(float const* s, float* d, std::int64_t n) { NS::round_to_f16_satfinite(s, d, n); } \
+    static void rotate_forward(float* x, std::int64_t rows, std::ptrdiff_t stride, int hd,                             \
+                               std::uint64_t const* words) {                                                           \
+      NS::rotate_forward_rows(x, rows, stride, hd, words);                                                             \
+    }                                                                                                                  \
+    static void rotate_inverse(float* x, std::int64_t rows, std::ptrdiff_t stride, int hd,                             \
+                               std::uint64_t const* words) {                                                           \
+      NS::rotate_inverse_rows(x, rows, stride, hd, words);                                                             \
+    }                                                                                                                  \
   };
 
 KVQ_TEST_ISA(isa_scalar, kvq::cpu_kernels::scalar, "scalar")
@@ -569,6 +573,48 @@ void check_narrow(std::vector<float> const& x) {
   }
 }
 
+/// The residual's narrowing (f32_to_f16_bits_satfinite), to bits and rounded back to f32, in place
+/// too, against numeric.h over `x` and the neighbourhood of the saturation boundaries.
+template <class Isa>
+void check_narrow_satfinite(std::vector<float> x) {
+  INFO(Isa::name);
+  for (float edge : {65504.0f, 65520.0f, 65536.0f, std::numeric_limits<float>::max()})
+    for (float v = edge, k = 0; k < 8; ++k, v = std::nextafter(v, 0.0f))
+      for (float w : {v, std::nextafter(edge, std::numeric_limits<float>::infinity()), -v}) x.push_back(w);
+  x.push_back(from_bits(0x7f800001u));  // signalling NaNs: quieted as to_f16 quiets them
+  x.push_back(from_bits(0xff800100u));
+  for (int offset : {0, 3}) {
+    std::size_t const n = x.size() - static_cast<std::size_t>(offset) * 5;
+    float const* in = x.data() + offset;
+    std::vector<kvq::f16> h(n + 1, kvq::f16{0x1234});
+    Isa::to_f16_satfinite(in, h.data(), static_cast<std::int64_t>(n));
+    std::vector<float> want(n + 1, -7.25f), got(n + 1, -7.25f);
+    std::size_t bad = 0, first = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      u16 const ref = kvq::detail::f32_to_f16_bits_satfinite(in[i]);
+      want[i] = kvq::detail::f16_bits_to_f32(ref);
+      if (h[i].bits != ref && bad++ == 0) first = i;
+    }
+    if (bad)
+      UNSCOPED_INFO("f32 -> f16 satfinite: " << bad << " differ, first " << hex32(in[first]) << ": reference "
+                                             << std::hex << kvq::detail::f32_to_f16_bits_satfinite(in[first])
+                                             << ", got " << h[first].bits);
+    CHECK(bad == 0);
+    CHECK(h[n].bits == 0x1234);
+    Isa::round_f16_satfinite(in, got.data(), static_cast<std::int64_t>(n));
+    auto e = first_float_diff(want, got, false);
+    if (e >= 0)
+      UNSCOPED_INFO("rounded " << hex32(in[static_cast<std::size_t>(e)]) << ": reference "
+                               << hex32(want[static_cast<std::size_t>(e)]) << ", got "
+                               << hex32(got[static_cast<std::size_t>(e)]));
+    CHECK(e == -1);
+    std::vector<float> same(in, in + n);  // in place
+    same.push_back(-7.25f);
+    Isa::round_f16_satfinite(same.data(), same.data(), static_cast<std::int64_t>(n));
+    CHECK(first_float_diff(want, same, false) == -1);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("simd_level names the instruction set compiled in", "[simd]") {
@@ -822,6 +868,11 @@ TEST_CASE("f16 and bf16 widen exactly on every ISA: all 65536 patterns", "[simd]
 TEST_CASE("f32 narrows to f16 and bf16 as numeric.h on every ISA", "[simd][convert]") {
   auto const x = f32_patterns(7);
   for_each_isa([&]<class Isa>() { check_narrow<Isa>(x); });
+}
+
+TEST_CASE("f32 narrows to the f16 residual (finite values saturating) as numeric.h on every ISA", "[simd][convert]") {
+  auto const x = f32_patterns(11);
+  for_each_isa([&]<class Isa>() { check_narrow_satfinite<Isa>(x); });
 }
 
 TEST_CASE("exhaustive: every f32 narrows to f16 and bf16 as numeric.h", "[.][exhaustive]") {

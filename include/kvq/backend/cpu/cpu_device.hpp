@@ -11,7 +11,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -22,21 +21,6 @@
 
 KVQ_NAMESPACE_BEGIN
 namespace detail {
-
-/// Largest finite f16 value.
-inline constexpr float f16_max = 65504.0f;
-
-/// Clips the finite elements of a row to [-65504, 65504] in place (NaN and ±Inf are kept), so that
-/// rounding it to f16 saturates instead of overflowing to ±Inf: the KIVI residual and window store
-/// finite inputs beyond the f16 range as ±65504, as the KIVI codec clips its parameters.
-inline void saturate_to_f16_range(float* row, std::int64_t n) {
-  constexpr float inf = std::numeric_limits<float>::infinity();
-  for (std::int64_t i = 0; i < n; ++i) {
-    float const x = row[i];
-    if (x > f16_max && x != inf) row[i] = f16_max;
-    if (x < -f16_max && x != -inf) row[i] = -f16_max;
-  }
-}
 
 /// The run-time parameters of codec C as its region carries them (fp8 / fp4 scale, fp8 overflow).
 template <codec C>
@@ -100,56 +84,44 @@ class cpu_device {
     auto const params = params_of<C>(a.dst);
     side_rotation<Codec> const rotation(d);
     row_rotation const* rot = rotation.get();
-    // Row codecs encode token by token (below); KIVI key tiles and rows that continue residual
-    // rows run over chunks of tokens, then kv_heads, so that one chunk of the input (rows one
-    // token_stride apart) is read while it stays in the caches.
-    write_scratch scratch(d, s.kernel == write_kernel::encode_key_tiles ? a.dst.group : write_scratch::chunk);
     if (s.kernel == write_kernel::encode_key_tiles) {
       if constexpr (C::layout == codec_layout::token_group) {
+        // A tile of G tokens is read token by token for a block of kv_heads at once (in memory
+        // order, the input is token-major), into (kv_heads block, G, head_dim) scratch, then
+        // encoded head by head from there.
         int const g = a.dst.group;
+        int const block = std::clamp(tile_scratch_floats / (g * d), 1, a.kv_heads);
+        write_scratch scratch(d, g * block);
         for (int j = 0; j < a.count / g; ++j) {
-          for (int h = 0; h < a.kv_heads; ++h) {
-            auto const [tile, stride] = rows_of(a, layer, input, h, j * g, g, scratch, rot);
-            encode_tile<C>(tile, stride, d, unit(layer, a, h, a.first + j), params);
+          for (int h0 = 0; h0 < a.kv_heads; h0 += block) {
+            int const nh = std::min(block, a.kv_heads - h0);
+            for (int t = 0; t < g; ++t) {
+              copy_token_rows(a, layer, input, j * g + t, h0, nh, scratch.row(t), std::ptrdiff_t{g} * d, rot);
+            }
+            for (int k = 0; k < nh; ++k)
+              encode_tile<C>(scratch.row(k * g), d, d, unit(layer, a, h0 + k, a.first + j), params);
           }
         }
       }
       return {};
     }
-    if constexpr (C::layout == codec_layout::row) {
-      if (s.kernel == write_kernel::encode_rows && a.src.from_residual == 0) {
-        // Token by token, the kv_heads of a token in one call (up to a chunk of them): the input is
-        // read in memory order (token-major), which measured 1.4-1.9x faster than chunks of
-        // tokens head by head, and a call's rows fill whole batches of the kernels.
-        for (int i = 0; i < a.count; ++i) {
-          for (int h0 = 0; h0 < a.kv_heads; h0 += write_scratch::chunk) {
-            int const nh = std::min(write_scratch::chunk, a.kv_heads - h0);
-            auto const [rows, stride] = token_rows_of(a, input, i, h0, nh, scratch, rot);
-            cpu_kernels::encode_rows<C>(rows, stride, nh, d, unit(layer, a, h0, a.first + i), a.dst.head_stride,
-                                        params);
-          }
-        }
-        return {};
-      }
-    }
-    for (int i0 = 0; i0 < a.count; i0 += write_scratch::chunk) {
-      int const n = std::min(write_scratch::chunk, a.count - i0);
-      for (int h = 0; h < a.kv_heads; ++h) {
-        auto const [rows, stride] = rows_of(a, layer, input, h, i0, n, scratch, rot);
+    write_scratch scratch(d, write_scratch::chunk);
+    // Encoded rows and f16 residual rows: token by token, the kv_heads of a token in one call (up to
+    // a chunk of them). The input is read in memory order (token-major), which measured 1.4-1.9x
+    // faster than chunks of tokens head by head, and a call's rows fill whole batches of the kernels.
+    for (int i = 0; i < a.count; ++i) {
+      for (int h0 = 0; h0 < a.kv_heads; h0 += write_scratch::chunk) {
+        int const nh = std::min(write_scratch::chunk, a.kv_heads - h0);
+        auto const [rows, stride] = token_rows_of(a, layer, input, i, h0, nh, scratch, rot);
         if (s.kernel == write_kernel::encode_rows) {
           if constexpr (C::layout == codec_layout::row)
-            cpu_kernels::encode_rows<C>(rows, stride, n, d, unit(layer, a, h, a.first + i0), a.dst.unit_bytes, params);
-        } else {  // store_f16_rows
-          bool const gathered = rows == scratch.rows();
-          for (int i = 0; i < n; ++i) {
-            float* const row = scratch.row(gathered ? i : 0);  // the input itself is copied first
-            if (!gathered)
-              std::memcpy(row, rows + static_cast<std::ptrdiff_t>(i) * stride,
-                          static_cast<std::size_t>(d) * sizeof(float));
-            saturate_to_f16_range(row, d);
-            cpu_kernels::convert_from_f32(
-                row, residual_row(layer, a.dst, h, (a.first + i0 + i) % a.dst.residual_rows, d), d);
-          }
+            cpu_kernels::encode_rows<C>(rows, stride, nh, d, unit(layer, a, h0, a.first + i), a.dst.head_stride,
+                                        params);
+        } else {  // store_f16_rows: finite values beyond ±65504 saturate
+          std::int64_t const row = (a.first + i) % a.dst.residual_rows;
+          for (int k = 0; k < nh; ++k)
+            cpu_kernels::convert_to_f16_satfinite(rows + static_cast<std::ptrdiff_t>(k) * stride,
+                                                  residual_row(layer, a.dst, h0 + k, row, d), d);
         }
       }
     }
@@ -176,9 +148,8 @@ class cpu_device {
         case kvq_elem_f16:
           cpu_kernels::convert_from_f32(row.data(), static_cast<f16*>(out) + o, d);
           break;
-        case kvq_elem_f16_sat:
-          saturate_to_f16_range(row.data(), d);  // a decoded KIVI group can reach 65536
-          cpu_kernels::convert_from_f32(row.data(), static_cast<f16*>(out) + o, d);
+        case kvq_elem_f16_sat:  // a decoded KIVI group can reach 65536
+          cpu_kernels::convert_to_f16_satfinite(row.data(), static_cast<f16*>(out) + o, d);
           break;
         default:
           cpu_kernels::convert_from_f32(row.data(), static_cast<bf16*>(out) + o, d);
@@ -236,50 +207,78 @@ class cpu_device {
     return reinterpret_cast<f16*>(layer + r.residual0 + static_cast<std::size_t>(h) * r.residual_stride) + row * d;
   }
 
-  /// Scratch of a write step: `rows` f32 rows of head_dim and one f16 row, on the stack when
-  /// they fit in 33 KiB.
+  /// Scratch of a write step: `rows` f32 rows of head_dim, on the stack when they fit in 33 KiB.
+  /// f32 elements of the key tiles gathered at once (128 KiB: within L2).
+  static constexpr int tile_scratch_floats = 32 * 1024;
+
   class write_scratch {
    public:
     static constexpr int chunk = 32;  // input rows per kernel call (16 KiB of f32 at head_dim 128)
-    write_scratch(int d, int rows) : d_(d), rows_(rows) {
-      std::size_t const floats = static_cast<std::size_t>(rows + 1) * static_cast<std::size_t>(d);
+    write_scratch(int d, int rows) : d_(d) {
+      std::size_t const floats = static_cast<std::size_t>(rows) * static_cast<std::size_t>(d);
       if (floats > stack_floats) heap_.resize(floats);
     }
     auto rows() noexcept -> float* { return heap_.empty() ? stack_ : heap_.data(); }
     auto row(int i) noexcept -> float* { return rows() + static_cast<std::ptrdiff_t>(i) * d_; }
-    auto half() noexcept -> f16* { return reinterpret_cast<f16*>(row(rows_)); }
 
    private:
     static constexpr std::size_t stack_floats = 33 * 256;
-    int d_, rows_;
+    int d_;
     alignas(64) float stack_[stack_floats];
     detail::vector<float> heap_;
   };
 
   /// Batch row i of kv_heads [h0, h0 + n) as f32 rows (pointer, stride in floats): the f32 input
-  /// itself when the rows need nothing done to them, else `gather`ed into the scratch (n <= its
-  /// rows; input rows only, i >= from_residual).
-  static auto token_rows_of(kvq_write_args const& a, void const* input, int i, int h0, int n, write_scratch& scratch,
-                            row_rotation const* rot) -> std::pair<float const*, std::ptrdiff_t> {
-    bool const as_is = a.src.type == kvq_elem_f32 && rot == nullptr && a.src.round_f16 == 0 && a.src.mean == 0;
-    std::int64_t const token = a.src.first + i - a.src.from_residual;
+  /// itself when the rows need nothing done to them, else copy_token_rows into the scratch (n <= its
+  /// rows).
+  static auto token_rows_of(kvq_write_args const& a, std::byte* layer, void const* input, int i, int h0, int n,
+                            write_scratch& scratch, row_rotation const* rot)
+      -> std::pair<float const*, std::ptrdiff_t> {
+    bool const as_is = a.src.type == kvq_elem_f32 && rot == nullptr && a.src.round_f16 == 0 && a.src.mean == 0 &&
+                       i >= a.src.from_residual;
     if (as_is)
-      return {static_cast<float const*>(input) + token * static_cast<std::int64_t>(a.src.token_stride) +
+      return {static_cast<float const*>(input) +
+                  (a.src.first + i - a.src.from_residual) * static_cast<std::int64_t>(a.src.token_stride) +
                   static_cast<std::int64_t>(h0) * static_cast<std::int64_t>(a.src.head_stride),
               static_cast<std::ptrdiff_t>(a.src.head_stride)};
-    // Row by row: each row is rotated and rounded while it is in L1.
-    for (int k = 0; k < n; ++k) {
-      read_input_row(a, input, token, h0 + k, scratch.row(k));
-      finish_input_rows(a, scratch.row(k), 1, scratch.half(), rot);
-    }
+    copy_token_rows(a, layer, input, i, h0, n, scratch.rows(), a.head_dim, rot);
     return {scratch.rows(), a.head_dim};
   }
 
-  /// Input row (token, kv_head h) widened to f32 into y: (head_dim).
-  static void read_input_row(kvq_write_args const& a, void const* input, std::int64_t token, int h, float* y) {
+  /// Batch row i of kv_heads [h0, h0 + n) as f32 rows into out + k * out_stride (see kvq_source): a
+  /// residual row as stored (i < from_residual), or an input row widened, rotated by `rot` when not
+  /// null and f16-rounded, saturating, when the step says so, each while it is in L1.
+  static void copy_token_rows(kvq_write_args const& a, std::byte* layer, void const* input, int i, int h0, int n,
+                              float* out, std::ptrdiff_t out_stride, row_rotation const* rot) {
+    int const d = a.head_dim;
+    if (i < a.src.from_residual) {  // stored rotated and rounded already
+      std::int64_t const row = (a.src.residual_first + i) % a.dst.residual_rows;
+      for (int k = 0; k < n; ++k)
+        cpu_kernels::convert_to_f32(residual_row(layer, a.dst, h0 + k, row, d), out + k * out_stride, d);
+      return;
+    }
+    std::int64_t const token = a.src.first + i - a.src.from_residual;
+    for (int k = 0; k < n; ++k) {
+      read_input_row(a, input, token, h0 + k, out + k * out_stride, rot);
+      finish_input_rows(a, out + k * out_stride, 1, rot);
+    }
+  }
+
+  /// Whether the step's input rows are f16-rounded as they are read (f32 input, no rotation): one
+  /// pass over the input, and finish_input_rows has nothing left to do.
+  static auto rounds_on_read(kvq_write_args const& a, row_rotation const* rot) -> bool {
+    return a.src.type == kvq_elem_f32 && rot == nullptr && a.src.round_f16 != 0;
+  }
+
+  /// Input row (token, kv_head h) widened to f32 into y: (head_dim); f16-rounded, saturating, as
+  /// well when rounds_on_read.
+  static void read_input_row(kvq_write_args const& a, void const* input, std::int64_t token, int h, float* y,
+                             row_rotation const* rot) {
     std::int64_t const at = token * static_cast<std::int64_t>(a.src.token_stride) +
                             static_cast<std::int64_t>(h) * static_cast<std::int64_t>(a.src.head_stride);
-    if (a.src.type == kvq_elem_f32) {
+    if (rounds_on_read(a, rot)) {
+      cpu_kernels::round_to_f16_satfinite(static_cast<float const*>(input) + at, y, a.head_dim);
+    } else if (a.src.type == kvq_elem_f32) {
       cpu_kernels::convert_to_f32(static_cast<float const*>(input) + at, y, a.head_dim);
     } else if (a.src.type == kvq_elem_f16) {
       cpu_kernels::convert_to_f32(static_cast<f16 const*>(input) + at, y, a.head_dim);
@@ -288,56 +287,14 @@ class cpu_device {
     }
   }
 
-  /// Input rows: (n, head_dim) rotated by `rot` when not null, then f16-rounded, saturating, when
-  /// the step says so (`half`: scratch for head_dim f16 values).
-  static void finish_input_rows(kvq_write_args const& a, float* rows, int n, f16* half, row_rotation const* rot) {
+  /// Input rows as read_input_row left them: (n, head_dim) rotated by `rot` when not null, then
+  /// f16-rounded, saturating, when the step says so (as stored in the f16 residual: finite values
+  /// beyond ±65504 become ±65504, not Inf).
+  static void finish_input_rows(kvq_write_args const& a, float* rows, int n, row_rotation const* rot) {
+    if (rounds_on_read(a, rot)) return;
     int const d = a.head_dim;
     if (rot != nullptr) rot->forward_rows(rows, n, d);
-    if (a.src.round_f16 != 0)  // as stored in the f16 residual: finite beyond ±65504 -> ±65504, not Inf
-      for (int k = 0; k < n; ++k) {
-        float* y = rows + static_cast<std::ptrdiff_t>(k) * d;
-        saturate_to_f16_range(y, d);
-        cpu_kernels::convert_from_f32(y, half, d);
-        cpu_kernels::convert_to_f32(half, y, d);
-      }
-  }
-
-  /// Rows [i0, i0 + n) of kv_head h of a write step as f32 rows (pointer, stride in floats): the
-  /// f32 input itself when the rows need nothing done to them, else `gather`ed into the scratch.
-  static auto rows_of(kvq_write_args const& a, std::byte* layer, void const* input, int h, int i0, int n,
-                      write_scratch& scratch, row_rotation const* rot) -> std::pair<float const*, std::ptrdiff_t> {
-    bool const as_is = a.src.type == kvq_elem_f32 && rot == nullptr && a.src.round_f16 == 0 && a.src.mean == 0 &&
-                       i0 >= a.src.from_residual;
-    if (as_is) {
-      std::int64_t const token = a.src.first + i0 - a.src.from_residual;
-      return {static_cast<float const*>(input) + token * static_cast<std::int64_t>(a.src.token_stride) +
-                  static_cast<std::int64_t>(h) * static_cast<std::int64_t>(a.src.head_stride),
-              static_cast<std::ptrdiff_t>(a.src.token_stride)};
-    }
-    gather(a, layer, input, h, i0, n, scratch.rows(), scratch.half(), rot);
-    return {scratch.rows(), a.head_dim};
-  }
-
-  /// Batch rows [i0, i0 + n) of kv_head h of a write step as f32 rows of head_dim (see kvq_source):
-  /// residual rows (stored as they are), or input rows widened, rotated by `rot` when not null, and
-  /// f16-rounded, saturating, when the step says so. `half` is scratch for head_dim f16 values.
-  static void gather(kvq_write_args const& a, std::byte* layer, void const* input, int h, int i0, int n, float* out,
-                     f16* half, row_rotation const* rot) {
-    int const d = a.head_dim;
-    // The rows are all read first (their loads overlap), then the input rows rotated and rounded.
-    int const first_input = static_cast<int>(std::clamp<std::int64_t>(a.src.from_residual - i0, 0, n));
-    for (int k = 0; k < n; ++k) {
-      int const i = i0 + k;
-      float* y = out + static_cast<std::ptrdiff_t>(k) * d;
-      if (i < a.src.from_residual) {
-        std::int64_t const row = (a.src.residual_first + i) % a.dst.residual_rows;
-        cpu_kernels::convert_to_f32(residual_row(layer, a.dst, h, row, d), y, d);
-        continue;
-      }
-      read_input_row(a, input, a.src.first + i - a.src.from_residual, h, y);
-    }
-    // Residual rows are stored rotated and rounded already.
-    finish_input_rows(a, out + static_cast<std::ptrdiff_t>(first_input) * d, n - first_input, half, rot);
+    if (a.src.round_f16 != 0) cpu_kernels::round_to_f16_satfinite(rows, rows, static_cast<std::int64_t>(n) * d);
   }
 
   kvq::memory_resource* memory_;

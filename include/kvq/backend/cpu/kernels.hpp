@@ -126,5 +126,16 @@ void convert_from_f32(float const* src, T* dst, std::int64_t n) noexcept {
   best::convert_from_f32(src, dst, n);
 }
 
+/// Narrows n floats to f16 as the KIVI residual stores them: round to nearest even, finite values
+/// beyond ±65504 saturating to ±65504 (numeric.h f32_to_f16_bits_satfinite).
+inline void convert_to_f16_satfinite(float const* src, f16* dst, std::int64_t n) noexcept {
+  best::convert_to_f16_satfinite(src, dst, n);
+}
+
+/// dst = the f32 value of convert_to_f16_satfinite(src), n elements (dst may be src).
+inline void round_to_f16_satfinite(float const* src, float* dst, std::int64_t n) noexcept {
+  best::round_to_f16_satfinite(src, dst, n);
+}
+
 }  // namespace cpu_kernels
 KVQ_NAMESPACE_END

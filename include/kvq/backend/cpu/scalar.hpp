@@ -92,6 +92,18 @@ void convert_from_f32(float const* src, T* dst, std::int64_t n) noexcept {
   }
 }
 
+/// Narrows n floats to f16 as the KIVI residual stores them: round to nearest even, finite values
+/// beyond ±65504 saturating to ±65504, ±Inf and NaN as convert_from_f32 (numeric.h
+/// f32_to_f16_bits_satfinite).
+inline void convert_to_f16_satfinite(float const* src, f16* dst, std::int64_t n) noexcept {
+  for (std::int64_t i = 0; i < n; ++i) dst[i].bits = detail::f32_to_f16_bits_satfinite(src[i]);
+}
+
+/// dst = the f32 value of convert_to_f16_satfinite(src), n elements (dst may be src).
+inline void round_to_f16_satfinite(float const* src, float* dst, std::int64_t n) noexcept {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = detail::f16_bits_to_f32(detail::f32_to_f16_bits_satfinite(src[i]));
+}
+
 }  // namespace scalar
 }  // namespace cpu_kernels
 KVQ_NAMESPACE_END

@@ -181,6 +181,37 @@ struct simd_codecs {
     }
   }
 
+  /// v with its finite lanes beyond ±65504 set to ±65504 (NaN and ±Inf kept): rounding it to f16
+  /// then saturates instead of overflowing, numeric.h's f32_to_f16_bits_satfinite.
+  static vf clamp_to_f16_range(vf v) noexcept {
+    vf const a = V::abs(v);
+    vf const m = V::select_f(V::le_f(a, V::set1(std::numeric_limits<float>::max())), V::min(a, V::set1(65504.0f)), a);
+    return V::from_bits(V::or_i(V::bits(m), V::and_i(V::bits(v), V::set1_i(static_cast<std::int32_t>(0x80000000u)))));
+  }
+
+  /// f32 -> f16 with finite values saturating (f32_to_f16_bits_satfinite), n elements.
+  static void to_f16_satfinite(float const* x, u16* h, std::int64_t n) noexcept {
+    std::int64_t i = 0;
+    for (; i + W <= n; i += W) V::f16_store_hw(h + i, clamp_to_f16_range(V::load(x + i)));
+    if (i < n) {
+      int const r = static_cast<int>(n - i);
+      alignas(64) u16 t[std::size_t{W}];
+      V::f16_store_hw(t, clamp_to_f16_range(load_pad(x + i, r, 0.0f)));
+      std::memcpy(h + i, t, static_cast<std::size_t>(r) * 2);
+    }
+  }
+
+  /// y = f32 of to_f16_satfinite(x), n elements (y may be x). The f16 of a NaN is quiet, so the
+  /// hardware widening is exact here.
+  static void round_f16_satfinite(float const* x, float* y, std::int64_t n) noexcept {
+    std::int64_t i = 0;
+    for (; i + W <= n; i += W) V::store(y + i, V::round_f16(clamp_to_f16_range(V::load(x + i))));
+    if (i < n) {
+      int const r = static_cast<int>(n - i);
+      store_part(y + i, V::round_f16(clamp_to_f16_range(load_pad(x + i, r, 0.0f))), r);
+    }
+  }
+
   /// f32 -> bf16, n elements.
   static void to_bf16(float const* x, u16* h, std::int64_t n) noexcept {
     std::int64_t i = 0;
@@ -1620,6 +1651,12 @@ KVQ_NAMESPACE_END
   template <::kvq::cpu_kernels::cpu_element T>                                                                        \
   void convert_from_f32(float const* src, T* dst, std::int64_t n) noexcept {                                          \
     ::kvq::cpu_kernels::simd::simd_codecs<OPS>::convert_from_f32(src, dst, n);                                        \
+  }                                                                                                                   \
+  inline void convert_to_f16_satfinite(float const* src, ::kvq::f16* dst, std::int64_t n) noexcept {                  \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::to_f16_satfinite(src, reinterpret_cast<std::uint16_t*>(dst), n);      \
+  }                                                                                                                   \
+  inline void round_to_f16_satfinite(float const* src, float* dst, std::int64_t n) noexcept {                         \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::round_f16_satfinite(src, dst, n);                                     \
   }                                                                                                                   \
   inline void rotate_forward_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,                   \
                                   std::uint64_t const* words) noexcept {                                              \
