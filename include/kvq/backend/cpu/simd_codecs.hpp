@@ -495,20 +495,18 @@ struct simd_codecs {
       detail::fp4_encode_table(h, table);
       for (int k = 0; k < 8; ++k) t[k] = V::set1(table[k]);
     }
-    vi magnitude_codes(vf a) const noexcept {
+    /// The codes of finite v: the first candidate of least error |K h - |v||, plus 8 for negative
+    /// v (-0 included) unless it is 0.
+    vi codes(vf v) const noexcept {
+      vf const a = V::abs(v);
       vf best_err = a;  // code 0: |0 - |x|| = |x|
-      vi best = V::set1_i(0);
+      vi mag = V::set1_i(0);
       for (int k = 1; k < 8; ++k) {
         vf const err = V::abs(V::sub(t[k], a));
         vm const better = V::gt_f(best_err, err);
         best_err = V::select_f(better, err, best_err);
-        best = V::select_i(better, V::set1_i(k), best);
+        mag = V::select_i(better, V::set1_i(k), mag);
       }
-      return best;
-    }
-    /// The codes of finite v: the code of |v|, plus 8 for negative v (-0 included) unless it is 0.
-    vi codes(vf v) const noexcept {
-      vi const mag = magnitude_codes(V::abs(v));
       vi const sign = V::template slli<3>(V::template srli<31>(V::bits(v)));
       return V::select_i(V::eq_i(mag, V::set1_i(0)), mag, V::or_i(mag, sign));
     }
@@ -617,6 +615,8 @@ struct simd_codecs {
     fp4_midpoints const mid(h);
     alignas(64) u8 byte[std::size_t{W}];
     V::store_u8(byte, code);
+    alignas(64) float half_scale[std::size_t{W}];
+    V::store(half_scale, h);
     for (int i = 0; i < n; ++i) {
       vi c[std::size_t{nv}];
       if ((by_midpoints >> i) & 1u) {
@@ -628,7 +628,7 @@ struct simd_codecs {
         continue;
       } else {
         *scale[i] = byte[i];
-        fp4_candidates const cand(Mx ? detail::mxfp4_half_scale(byte[i]) : detail::nvfp4_half_scale(byte[i]));
+        fp4_candidates const cand(half_scale[i]);
         for (int k = 0; k < nv; ++k) c[k] = cand.codes(V::load(x[i] + k * W));
       }
       fp4_store_codes<Per>(c, qs[i]);
