@@ -207,10 +207,10 @@ class cpu_device {
     return reinterpret_cast<f16*>(layer + r.residual0 + static_cast<std::size_t>(h) * r.residual_stride) + row * d;
   }
 
-  /// Scratch of a write step: `rows` f32 rows of head_dim, on the stack when they fit in 33 KiB.
   /// f32 elements of the key tiles gathered at once (128 KiB: within L2).
   static constexpr int tile_scratch_floats = 32 * 1024;
 
+  /// Scratch of a write step: `rows` f32 rows of head_dim, on the stack when they fit in 33 KiB.
   class write_scratch {
    public:
     static constexpr int chunk = 32;  // input rows per kernel call (16 KiB of f32 at head_dim 128)
