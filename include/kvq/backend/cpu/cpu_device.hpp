@@ -95,9 +95,8 @@ class cpu_device {
         for (int j = 0; j < a.count / g; ++j) {
           for (int h0 = 0; h0 < a.kv_heads; h0 += block) {
             int const nh = std::min(block, a.kv_heads - h0);
-            for (int t = 0; t < g; ++t) {
+            for (int t = 0; t < g; ++t)
               copy_token_rows(a, layer, input, j * g + t, h0, nh, scratch.row(t), std::ptrdiff_t{g} * d, rot);
-            }
             for (int k = 0; k < nh; ++k)
               encode_tile<C>(scratch.row(k * g), d, d, unit(layer, a, h0 + k, a.first + j), params);
           }
@@ -258,43 +257,31 @@ class cpu_device {
       return;
     }
     std::int64_t const token = a.src.first + i - a.src.from_residual;
-    for (int k = 0; k < n; ++k) {
-      read_input_row(a, input, token, h0 + k, out + k * out_stride, rot);
-      finish_input_rows(a, out + k * out_stride, 1, rot);
-    }
+    for (int k = 0; k < n; ++k) read_input_row(a, input, token, h0 + k, out + k * out_stride, rot);
   }
 
-  /// Whether the step's input rows are f16-rounded as they are read (f32 input, no rotation): one
-  /// pass over the input, and finish_input_rows has nothing left to do.
-  static auto rounds_on_read(kvq_write_args const& a, row_rotation const* rot) -> bool {
-    return a.src.type == kvq_elem_f32 && rot == nullptr && a.src.round_f16 != 0;
-  }
-
-  /// Input row (token, kv_head h) widened to f32 into y: (head_dim); f16-rounded, saturating, as
-  /// well when rounds_on_read.
+  /// Input row (token, kv_head h) as the step encodes it, into y: (head_dim) widened to f32,
+  /// rotated by `rot` when not null, then f16-rounded, saturating, when the step says so (as stored
+  /// in the f16 residual: finite values beyond ±65504 become ±65504, not Inf).
   static void read_input_row(kvq_write_args const& a, void const* input, std::int64_t token, int h, float* y,
                              row_rotation const* rot) {
+    int const d = a.head_dim;
     std::int64_t const at = token * static_cast<std::int64_t>(a.src.token_stride) +
                             static_cast<std::int64_t>(h) * static_cast<std::int64_t>(a.src.head_stride);
-    if (rounds_on_read(a, rot)) {
-      cpu_kernels::round_to_f16_satfinite(static_cast<float const*>(input) + at, y, a.head_dim);
-    } else if (a.src.type == kvq_elem_f32) {
-      cpu_kernels::convert_to_f32(static_cast<float const*>(input) + at, y, a.head_dim);
+    if (a.src.type == kvq_elem_f32) {
+      float const* x = static_cast<float const*>(input) + at;
+      if (rot == nullptr && a.src.round_f16 != 0) {  // widened and rounded in one pass
+        cpu_kernels::round_to_f16_satfinite(x, y, d);
+        return;
+      }
+      cpu_kernels::convert_to_f32(x, y, d);
     } else if (a.src.type == kvq_elem_f16) {
-      cpu_kernels::convert_to_f32(static_cast<f16 const*>(input) + at, y, a.head_dim);
+      cpu_kernels::convert_to_f32(static_cast<f16 const*>(input) + at, y, d);
     } else {
-      cpu_kernels::convert_to_f32(static_cast<bf16 const*>(input) + at, y, a.head_dim);
+      cpu_kernels::convert_to_f32(static_cast<bf16 const*>(input) + at, y, d);
     }
-  }
-
-  /// Input rows as read_input_row left them: (n, head_dim) rotated by `rot` when not null, then
-  /// f16-rounded, saturating, when the step says so (as stored in the f16 residual: finite values
-  /// beyond ±65504 become ±65504, not Inf).
-  static void finish_input_rows(kvq_write_args const& a, float* rows, int n, row_rotation const* rot) {
-    if (rounds_on_read(a, rot)) return;
-    int const d = a.head_dim;
-    if (rot != nullptr) rot->forward_rows(rows, n, d);
-    if (a.src.round_f16 != 0) cpu_kernels::round_to_f16_satfinite(rows, rows, static_cast<std::int64_t>(n) * d);
+    if (rot != nullptr) rot->forward_rows(y, 1, d);
+    if (a.src.round_f16 != 0) cpu_kernels::round_to_f16_satfinite(y, y, d);
   }
 
   kvq::memory_resource* memory_;
