@@ -73,6 +73,14 @@ KVQ_CPU_ALWAYS_INLINE inline void prefetch_at(void const* p, std::ptrdiff_t byte
 #endif
 }
 
+/// The rows an encode streams ahead of the one it codes: prefetch_ahead(p, n, xs) fetches the
+/// lines of the n floats at p, rows_ahead rows of stride xs further on.
+inline constexpr std::int64_t rows_ahead = 8;
+KVQ_CPU_ALWAYS_INLINE inline void prefetch_ahead(float const* p, int n, std::ptrdiff_t xs) noexcept {
+  std::ptrdiff_t const ahead = rows_ahead * xs * std::ptrdiff_t{sizeof(float)};
+  for (int i = 0; i < n; i += 16) prefetch_at(p + i, ahead);
+}
+
 /// Recognises kivi_value<Bits, G>.
 template <class C>
 struct kivi_value_traits : std::false_type {};
@@ -351,13 +359,9 @@ struct simd_codecs {
         float const* const src = x + r * xs + c;
         if (hd - c >= qk) {
           bx[n] = src;
-          // The same block eight rows on, when the call has that row: rows are streamed while the
-          // batch computes (a prefetch past the last row measured slower on small scratch inputs).
-          if (r + 8 < rows) {
-            std::ptrdiff_t const ahead = 8 * xs * static_cast<std::ptrdiff_t>(sizeof(float));
-            prefetch_at(src, ahead);
-            prefetch_at(src, ahead + 64);
-          }
+          // The same block rows_ahead rows on, when the call has that row: rows are streamed while
+          // the batch computes (a prefetch past the last row measured slower on small scratch inputs).
+          if (r + rows_ahead < rows) prefetch_ahead(src, qk, xs);
         } else {
           std::memset(pad[n], 0, sizeof pad[n]);
           std::memcpy(pad[n], src, static_cast<std::size_t>(hd - c) * sizeof(float));
@@ -531,6 +535,22 @@ struct simd_codecs {
     }
   };
 
+  /// The mxfp4 codes of finite v of a group whose half-scale is h = 2^k >= 2^-126 (|v| <= 24 h),
+  /// given inv = 2^-k and neg_half = -h / 2: fp4_midpoints::codes without its seven comparisons.
+  /// s = |v| inv is exact, so s is compared with the midpoints 0.5 1.5 2.5 3.5 5 7 10 themselves:
+  /// from 2 on they are the ties of E2M1's one mantissa bit, which adding 2^21 - 1 below that bit
+  /// rounds down (codes 2-7 read off s's bits); below 2, two comparisons.
+  KVQ_CPU_ALWAYS_INLINE static vi mxfp4_exact_codes(vf v, vf inv, vf neg_half) noexcept {
+    vf const s = V::mul(V::abs(v), inv);
+    constexpr std::int32_t round_down_from_two = 0x1fffff - (254 << 22);  // the bits of 2 become code 2
+    vi c = V::template srli<22>(V::add_i(V::bits(V::max(s, V::set1(2.0f))), V::set1_i(round_down_from_two)));
+    c = V::min_i(c, V::set1_i(7));
+    vi const one = V::set1_i(1);
+    c = V::select_i(V::le_f(s, V::set1(1.5f)), V::sub_i(c, one), c);
+    c = V::select_i(V::le_f(s, V::set1(0.5f)), V::sub_i(c, one), c);
+    return V::select_i(V::gt_f(neg_half, v), V::or_i(c, V::set1_i(8)), c);
+  }
+
   /// Writes the Per / 2 nibble bytes of the codes c of a group: value j in the low nibble of byte
   /// j, value j + Per / 2 in the high nibble.
   template <int Per>
@@ -617,9 +637,20 @@ struct simd_codecs {
     V::store_u8(byte, code);
     alignas(64) float half_scale[std::size_t{W}];
     V::store(half_scale, h);
+    // mxfp4 groups with h >= 2^-126 (scale byte >= 2): mxfp4_exact_codes with inv = 1 / h.
+    unsigned exact = 0;
+    alignas(64) float inverse[std::size_t{W}];
+    if constexpr (Mx) {
+      exact = by_midpoints & V::mask_bits(V::gt_i(code, V::set1_i(1)));
+      V::store(inverse, V::from_bits(V::template slli<23>(V::sub_i(V::set1_i(255), code))));
+    }
     for (int i = 0; i < n; ++i) {
       vi c[std::size_t{nv}];
-      if ((by_midpoints >> i) & 1u) {
+      if ((exact >> i) & 1u) {
+        *scale[i] = byte[i];
+        vf const inv = V::set1(inverse[i]), neg_half = V::set1(mid.mid[7][i]);
+        for (int k = 0; k < nv; ++k) c[k] = mxfp4_exact_codes(V::load(x[i] + k * W), inv, neg_half);
+      } else if ((by_midpoints >> i) & 1u) {
         *scale[i] = byte[i];
         for (int k = 0; k < nv; ++k) c[k] = mid.codes(V::load(x[i] + k * W), i);
       } else if ((poisoned >> i) & 1u) {
@@ -655,6 +686,7 @@ struct simd_codecs {
         u8* const block = dst + static_cast<std::size_t>(r) * ds + static_cast<std::size_t>(c / qk) * bytes;
         for (int g = 0; g < groups; ++g) {
           int const at = c + g * per, have = hd - at;  // the group's values in the row (<= 0: none)
+          if (have > 0 && r + rows_ahead < rows) prefetch_ahead(x + r * xs + at, have < per ? have : per, xs);
           if (!divide && have >= per) {
             gx[n] = x + r * xs + at;
           } else {
@@ -971,6 +1003,7 @@ struct simd_codecs {
         int const c = b * g.block_channels;
         gx[m] = x + r * xs + c;
         gn[m] = hd - c < g.block_channels ? hd - c : g.block_channels;
+        if (r + rows_ahead < rows) prefetch_ahead(gx[m], gn[m], xs);
         gd[m] = dst + static_cast<std::size_t>(r) * ds + static_cast<std::size_t>(b) * g.block_bytes;
         if (++m == W) {
           if (full)
