@@ -580,9 +580,14 @@ struct simd_attention {
                       tile_rows& tr, float* buffer, F&& f) noexcept {
     simd_codecs<V>::template decode_rows<C>(src.units + static_cast<std::size_t>(t) * src.unit_bytes, src.unit_bytes, m,
                                             d, buffer, d, p);
+    f(rows_in(buffer, m, d, tr.rows));
+  }
+
+  /// The m rows of buf: (m, d) as an f32 loader whose row pointers are written to ptrs: (m).
+  static f32_rows rows_in(float const* buf, int m, int d, std::uint8_t const** ptrs) noexcept {
     for (int r = 0; r < m; ++r)
-      tr.rows[r] = reinterpret_cast<std::uint8_t const*>(buffer + static_cast<std::ptrdiff_t>(r) * d);
-    f(f32_rows{tr.rows});
+      ptrs[r] = reinterpret_cast<std::uint8_t const*>(buf + static_cast<std::ptrdiff_t>(r) * d);
+    return f32_rows{ptrs};
   }
 
   /// Calls f(loader) with an f16 loader for tokens [t, t + m) of the residual (ring) rows.
@@ -1056,9 +1061,7 @@ struct simd_attention {
           if constexpr (G % W == 0) kivi_logits<KC>(tp, d, q, call.group, first, m, i, logits, s.scaled.data());
         } else {
           simd_codecs<V>::template decode_tile_tokens<KC>(tp, d, first, m, s.keys.data(), d, kp);
-          for (int r = 0; r < m; ++r)
-            tr.rows[r] = reinterpret_cast<std::uint8_t const*>(s.keys.data() + static_cast<std::ptrdiff_t>(r) * d);
-          dot(f32_rows{tr.rows}, m, i);
+          dot(rows_in(s.keys.data(), m, d, tr.rows), m, i);
         }
         i += m;
       } else {
@@ -1097,12 +1100,9 @@ struct simd_attention {
             // Each key vector decoded in registers once for H4 heads (W / H4 tokens at a time).
             dot(rows, m, i);
           } else {  // many rows, or scaled codes: decode once into the f32 tile (the dot's registers go to the tokens)
-            float* const buf = s.keys.data();
-            decode_rows<loader>(rows, m, d, buf);
+            decode_rows<loader>(rows, m, d, s.keys.data());
             std::uint8_t const* ptrs[T];
-            for (int r = 0; r < m; ++r)
-              ptrs[r] = reinterpret_cast<std::uint8_t const*>(buf + static_cast<std::ptrdiff_t>(r) * d);
-            dot(f32_rows{ptrs}, m, i);
+            dot(rows_in(s.keys.data(), m, d, ptrs), m, i);
           }
         });
         i += m;
@@ -1751,9 +1751,7 @@ struct simd_attention {
         } else {
           decode_rows<loader>(vrows, cnt, d, s.dense.data());
           std::uint8_t const* ptrs[T];
-          for (int r = 0; r < cnt; ++r)
-            ptrs[r] = reinterpret_cast<std::uint8_t const*>(s.dense.data() + static_cast<std::ptrdiff_t>(r) * d);
-          accumulate<1>(state.out, d, rows, pt, fst, f32_rows{ptrs}, cnt, rp);
+          accumulate<1>(state.out, d, rows, pt, fst, rows_in(s.dense.data(), cnt, d, ptrs), cnt, rp);
         }
         if (any_special) save_special_values(vrows, fst, cnt, d, s);
       });
@@ -1831,19 +1829,15 @@ struct simd_attention {
       }
       with_value_rows<VC>(v, vp, d, tb, n, s, tr, [&](auto const& rows, int first, int m) {
         using loader = std::decay_t<decltype(rows)>;
-        bool integer = false;
-        if constexpr (integer_value_codec<VC> && !std::is_same_v<loader, f16_rows> &&
-                      !std::is_same_v<loader, f32_rows>) {
-          integer = call.i8_weights && first == 0 && m == n;
-          if (integer) accumulate_integer<VC>(state.out, d, group, s.probs.data(), rows.rows, m);
-        }
-        if (integer) {
+        // The whole tile's probabilities as u8 against the value codes, when the call asks for it.
+        constexpr bool integer_codes =
+            integer_value_codec<VC> && !std::is_same_v<loader, f16_rows> && !std::is_same_v<loader, f32_rows>;
+        if (integer_codes && call.i8_weights && first == 0 && m == n) {
+          if constexpr (integer_codes) accumulate_integer<VC>(state.out, d, group, s.probs.data(), rows.rows, m);
         } else if (group >= many_rows && !std::is_same_v<loader, f32_rows>) {  // decoded once for the many rows
           decode_rows<loader>(rows, m, d, s.dense.data());
           std::uint8_t const* ptrs[T];
-          for (int r = 0; r < m; ++r)
-            ptrs[r] = reinterpret_cast<std::uint8_t const*>(s.dense.data() + static_cast<std::ptrdiff_t>(r) * d);
-          accumulate(state.out, d, group, s.probs.data(), first, f32_rows{ptrs}, m);
+          accumulate(state.out, d, group, s.probs.data(), first, rows_in(s.dense.data(), m, d, ptrs), m);
         } else {
           accumulate(state.out, d, group, s.probs.data(), first, rows, m);
         }

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
 
@@ -215,16 +216,16 @@ class cpu_device {
     static constexpr int chunk = 32;  // input rows per kernel call (16 KiB of f32 at head_dim 128)
     write_scratch(int d, int rows) : d_(d) {
       std::size_t const floats = static_cast<std::size_t>(rows) * static_cast<std::size_t>(d);
-      if (floats > stack_floats) heap_.resize(floats);
+      if (floats > stack_floats) heap_.reset(new float[floats]);  // uninitialised: written before read
     }
-    auto rows() noexcept -> float* { return heap_.empty() ? stack_ : heap_.data(); }
+    auto rows() noexcept -> float* { return heap_ ? heap_.get() : stack_; }
     auto row(int i) noexcept -> float* { return rows() + static_cast<std::ptrdiff_t>(i) * d_; }
 
    private:
     static constexpr std::size_t stack_floats = 33 * 256;
     int d_;
     alignas(64) float stack_[stack_floats];
-    detail::vector<float> heap_;
+    std::unique_ptr<float[]> heap_;
   };
 
   /// Batch row i of kv_heads [h0, h0 + n) as f32 rows (pointer, stride in floats): the f32 input

@@ -1256,6 +1256,31 @@ struct simd_codecs {
     }
   };
 
+  /// Calls f.template operator()<NV>() when a block of n coordinates is NV = 1, 2, 4, 8 or 16
+  /// whole vectors (rotate_block_in_registers' sizes) and returns true; false for other sizes.
+  template <class F>
+  KVQ_CPU_ALWAYS_INLINE static bool with_register_block(int n, F&& f) {
+    switch (n % W == 0 ? n / W : 0) {
+      case 1:
+        f.template operator()<1>();
+        return true;
+      case 2:
+        f.template operator()<2>();
+        return true;
+      case 4:
+        f.template operator()<4>();
+        return true;
+      case 8:
+        f.template operator()<8>();
+        return true;
+      case 16:
+        f.template operator()<16>();
+        return true;
+      default:
+        return false;
+    }
+  }
+
   /// R x (Inverse: R^T x) of one row x: (head_dim) in place, its blocks given by `plan`.
   template <bool Inverse>
   static void rotate_row(float* x, rotation_plan const& plan, std::uint64_t const* words) noexcept {
@@ -1264,17 +1289,8 @@ struct simd_codecs {
       int const n = plan.size[k];
       float const c = plan.scale[k];
       float* const b = x + o;
-      if (n == W) {
-        rotate_block_in_registers<Inverse, 1>(b, o, words, c);
-      } else if (n == 2 * W) {
-        rotate_block_in_registers<Inverse, 2>(b, o, words, c);
-      } else if (n == 4 * W) {
-        rotate_block_in_registers<Inverse, 4>(b, o, words, c);
-      } else if (n == 8 * W) {
-        rotate_block_in_registers<Inverse, 8>(b, o, words, c);
-      } else if (n == 16 * W) {
-        rotate_block_in_registers<Inverse, 16>(b, o, words, c);
-      } else if (n > 16 * W) {
+      if (with_register_block(n, [&]<int NV>() { rotate_block_in_registers<Inverse, NV>(b, o, words, c); })) continue;
+      if (n > 16 * W) {
         rotate_block_in_memory<Inverse>(b, n, o, words, c);
       } else {  // a block smaller than a vector: the reference's loops
         if constexpr (!Inverse)
@@ -1292,22 +1308,11 @@ struct simd_codecs {
                           std::uint64_t const* words) noexcept {
     rotation_plan const plan(head_dim);
     // One block of 1-16 vectors (head_dim 64 or 128 and the like): the block's kernel chosen once.
-    auto const single = [&]<int NV>() {
-      for (std::int64_t r = 0; r < rows; ++r)
-        rotate_block_in_registers<Inverse, NV>(x + r * stride, 0, words, plan.scale[0]);
-    };
-    if (plan.count == 1) {
-      switch (plan.size[0] / W * (plan.size[0] % W == 0 ? 1 : 0)) {
-        case 4:
-          return single.template operator()<4>();
-        case 8:
-          return single.template operator()<8>();
-        case 16:
-          return single.template operator()<16>();
-        default:
-          break;
-      }
-    }
+    if (plan.count == 1 && with_register_block(plan.size[0], [&]<int NV>() {
+          for (std::int64_t r = 0; r < rows; ++r)
+            rotate_block_in_registers<Inverse, NV>(x + r * stride, 0, words, plan.scale[0]);
+        }))
+      return;
     for (std::int64_t r = 0; r < rows; ++r) rotate_row<Inverse>(x + r * stride, plan, words);
   }
 
