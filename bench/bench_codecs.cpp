@@ -83,8 +83,8 @@ auto tile_entry(std::string name) -> codec_entry {
 /// Rows of a rotated codec rotated (or un-rotated) and coded per chunk, as the CPU cache's gather does.
 inline constexpr std::size_t rotation_chunk = 16;
 
-/// A rotated codec C (FORMATS.md §6.1): each chunk of rows copied to an L1 scratch and rotated by
-/// R under C's seed, then encoded by kvq::cpu_kernels::encode_rows of the stored codec; decoded by
+/// A rotated codec C (FORMATS.md §6.1): each chunk of rows rotated by R under C's seed into an L1
+/// scratch, then encoded by kvq::cpu_kernels::encode_rows of the stored codec; decoded by
 /// decode_rows of the stored codec, then un-rotated in place.
 template <class C>
 auto rotated_row_entry(std::string name) -> codec_entry {
@@ -96,8 +96,8 @@ auto rotated_row_entry(std::string name) -> codec_entry {
             std::vector<float> scratch(rotation_chunk * head_dim);
             for (std::size_t r0 = 0; r0 < rows; r0 += rotation_chunk) {
               std::size_t const n = std::min(rotation_chunk, rows - r0);
-              std::copy_n(x + r0 * head_dim, n * head_dim, scratch.data());
-              rotation.forward_rows(scratch.data(), static_cast<std::int64_t>(n), head_dim);
+              rotation.forward_rows(x + r0 * head_dim, head_dim, scratch.data(), head_dim,
+                                    static_cast<std::int64_t>(n));
               kvq::cpu_kernels::encode_rows<stored>(scratch.data(), head_dim, static_cast<std::int64_t>(n), head_dim,
                                                     dst + r0 * bytes, bytes);
             }

@@ -69,6 +69,10 @@ using u32 = std::uint32_t;
                                std::uint64_t const* words) {                                                           \
       NS::rotate_forward_rows(x, rows, stride, hd, words);                                                             \
     }                                                                                                                  \
+    static void rotate_forward(float const* x, std::ptrdiff_t xs, float* y, std::ptrdiff_t ys, std::int64_t rows,      \
+                               int hd, std::uint64_t const* words) {                                                   \
+      NS::rotate_forward_rows(x, xs, y, ys, rows, hd, words);                                                          \
+    }                                                                                                                  \
     static void rotate_inverse(float* x, std::int64_t rows, std::ptrdiff_t stride, int hd,                             \
                                std::uint64_t const* words) {                                                           \
       NS::rotate_inverse_rows(x, rows, stride, hd, words);                                                             \
@@ -207,8 +211,11 @@ void make_row(int kind, float* x, int n, std::mt19937& rng) {
     case 8:  // f32 subnormals (and a few zeros)
       for (int i = 0; i < n; ++i) x[i] = from_bits((rng() & 0x807fffffu) | (rng() % 8 == 0 ? 0u : 1u));
       break;
-    case 9:  // ±0 only
-      for (int i = 0; i < n; ++i) x[i] = sgn() * 0.0f;
+    case 9:  // ±0 only: every 32 values all -0, all +0 or mixed (q4_0's max is +0 in each case)
+      for (int b = 0; b < n; b += 32) {
+        unsigned const mode = rng() % 3;
+        for (int i = b; i < std::min(n, b + 32); ++i) x[i] = (mode == 2 ? sgn() : mode == 1 ? 1.0f : -1.0f) * 0.0f;
+      }
       break;
     case 10:  // beyond the fp16 / fp8 ranges
     {
@@ -747,9 +754,13 @@ void check_rotation() {
         int const rows = row_kinds + 3;
         std::ptrdiff_t const xs = packed ? hd : hd + 3;
         auto const x = make_rows(rows, hd, xs, data_seed++);
-        for (int inverse = 0; inverse < 2; ++inverse) {
+        // forward in place, inverse in place, forward from x into rows ys apart
+        for (int form = 0; form < 3; ++form) {
+          bool const inverse = form == 1;
           INFO(Isa::name << " rotation seed " << seed << " head_dim " << hd << (packed ? " packed" : " strided")
-                         << (inverse ? " inverse" : " forward"));
+                         << (inverse     ? " inverse"
+                             : form == 2 ? " forward into other rows"
+                                         : " forward"));
           std::vector<float> want = x, got = x;
           for (int r = 0; r < rows; ++r) {
             float* row = want.data() + r * xs;
@@ -758,10 +769,16 @@ void check_rotation() {
             else
               kvq::detail::rotate_forward_signs(row, hd, words.data());
           }
-          if (inverse)
-            Isa::rotate_inverse(got.data(), rows, xs, hd, words.data());
-          else
+          if (form == 0) {
             Isa::rotate_forward(got.data(), rows, xs, hd, words.data());
+          } else if (form == 1) {
+            Isa::rotate_inverse(got.data(), rows, xs, hd, words.data());
+          } else {  // rows of y hd + 5 (strided x) or hd (packed x) apart, copied back to x's layout
+            std::ptrdiff_t const ys = packed ? hd : hd + 5;
+            std::vector<float> y(static_cast<std::size_t>(rows * ys), -1.0f);
+            Isa::rotate_forward(x.data(), xs, y.data(), ys, rows, hd, words.data());
+            for (int r = 0; r < rows; ++r) std::copy_n(y.data() + r * ys, hd, got.data() + r * xs);
+          }
           auto const e = first_float_diff(want, got, true);
           if (e >= 0)
             UNSCOPED_INFO("first difference at row " << e / xs << " (kind " << (e / xs) % row_kinds << ") channel "

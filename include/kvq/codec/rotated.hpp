@@ -95,6 +95,11 @@ class row_rotation {
   void forward_rows(float* x, std::int64_t rows, std::ptrdiff_t stride) const noexcept {
     cpu_kernels::rotate_forward_rows(x, rows, stride, head_dim_, words());
   }
+  /// y + r * y_stride <- R (x + r * x_stride) for `rows` rows (rows of y that do not overlap x's).
+  void forward_rows(float const* x, std::ptrdiff_t x_stride, float* y, std::ptrdiff_t y_stride,
+                    std::int64_t rows) const noexcept {
+    cpu_kernels::rotate_forward_rows(x, x_stride, y, y_stride, rows, head_dim_, words());
+  }
   /// Applies inverse to `rows` rows `stride` floats apart.
   void inverse_rows(float* x, std::int64_t rows, std::ptrdiff_t stride) const noexcept {
     cpu_kernels::rotate_inverse_rows(x, rows, stride, head_dim_, words());

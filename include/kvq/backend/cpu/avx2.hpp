@@ -93,6 +93,7 @@ struct ops {
   static vi set1_i(std::int32_t x) noexcept { return _mm256_set1_epi32(x); }
   static vi and_i(vi a, vi b) noexcept { return _mm256_and_si256(a, b); }
   static vi or_i(vi a, vi b) noexcept { return _mm256_or_si256(a, b); }
+  static vi xor_i(vi a, vi b) noexcept { return _mm256_xor_si256(a, b); }
   static vi add_i(vi a, vi b) noexcept { return _mm256_add_epi32(a, b); }
   static vi sub_i(vi a, vi b) noexcept { return _mm256_sub_epi32(a, b); }
   static vi min_i(vi a, vi b) noexcept { return _mm256_min_epi32(a, b); }

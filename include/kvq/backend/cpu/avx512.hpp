@@ -121,6 +121,7 @@ struct ops {
   static vi set1_i(std::int32_t x) noexcept { return _mm512_set1_epi32(x); }
   static vi and_i(vi a, vi b) noexcept { return _mm512_and_si512(a, b); }
   static vi or_i(vi a, vi b) noexcept { return _mm512_or_si512(a, b); }
+  static vi xor_i(vi a, vi b) noexcept { return _mm512_xor_si512(a, b); }
   static vi add_i(vi a, vi b) noexcept { return _mm512_add_epi32(a, b); }
   static vi sub_i(vi a, vi b) noexcept { return _mm512_sub_epi32(a, b); }
   static vi min_i(vi a, vi b) noexcept { return _mm512_min_epi32(a, b); }

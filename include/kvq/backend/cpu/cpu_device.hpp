@@ -271,17 +271,21 @@ class cpu_device {
                             static_cast<std::int64_t>(h) * static_cast<std::int64_t>(a.src.head_stride);
     if (a.src.type == kvq_elem_f32) {
       float const* x = static_cast<float const*>(input) + at;
-      if (rot == nullptr && a.src.round_f16 != 0) {  // widened and rounded in one pass
-        cpu_kernels::round_to_f16_satfinite(x, y, d);
+      if (rot != nullptr) {
+        rot->forward_rows(x, d, y, d, 1);  // rotated on the way from the input to y
+      } else if (a.src.round_f16 != 0) {
+        cpu_kernels::round_to_f16_satfinite(x, y, d);  // widened and rounded in one pass
         return;
+      } else {
+        cpu_kernels::convert_to_f32(x, y, d);
       }
-      cpu_kernels::convert_to_f32(x, y, d);
-    } else if (a.src.type == kvq_elem_f16) {
-      cpu_kernels::convert_to_f32(static_cast<f16 const*>(input) + at, y, d);
     } else {
-      cpu_kernels::convert_to_f32(static_cast<bf16 const*>(input) + at, y, d);
+      if (a.src.type == kvq_elem_f16)
+        cpu_kernels::convert_to_f32(static_cast<f16 const*>(input) + at, y, d);
+      else
+        cpu_kernels::convert_to_f32(static_cast<bf16 const*>(input) + at, y, d);
+      if (rot != nullptr) rot->forward_rows(y, 1, d);
     }
-    if (rot != nullptr) rot->forward_rows(y, 1, d);
     if (a.src.round_f16 != 0) cpu_kernels::round_to_f16_satfinite(y, y, d);
   }
 

@@ -106,6 +106,13 @@ inline void rotate_forward_rows(float* x, std::int64_t rows, std::ptrdiff_t stri
   best::rotate_forward_rows(x, rows, stride, head_dim, words);
 }
 
+/// y + r * y_stride <- R (x + r * x_stride) for `rows` rows of head_dim floats, rows of y that do
+/// not overlap x's: the rotation of the in-place form, read from x and written to y in one pass.
+inline void rotate_forward_rows(float const* x, std::ptrdiff_t x_stride, float* y, std::ptrdiff_t y_stride,
+                                std::int64_t rows, int head_dim, std::uint64_t const* words) noexcept {
+  best::rotate_forward_rows(x, x_stride, y, y_stride, rows, head_dim, words);
+}
+
 /// x <- R^T x for `rows` rows x + r * stride of head_dim floats: bit-identical to
 /// detail::rotate_inverse_signs (NaN payloads aside).
 inline void rotate_inverse_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,

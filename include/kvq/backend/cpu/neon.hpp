@@ -82,6 +82,7 @@ struct ops {
   static vi set1_i(std::int32_t x) noexcept { return vdupq_n_s32(x); }
   static vi and_i(vi a, vi b) noexcept { return vandq_s32(a, b); }
   static vi or_i(vi a, vi b) noexcept { return vorrq_s32(a, b); }
+  static vi xor_i(vi a, vi b) noexcept { return veorq_s32(a, b); }
   static vi add_i(vi a, vi b) noexcept { return vaddq_s32(a, b); }
   static vi sub_i(vi a, vi b) noexcept { return vsubq_s32(a, b); }
   static vi min_i(vi a, vi b) noexcept { return vminq_s32(a, b); }

@@ -4,6 +4,7 @@
 // values bit-identical). They are always compiled and are what kvq::cpu_kernels uses without SIMD flags.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -62,6 +63,16 @@ void decode_tile_tokens(std::uint8_t const* tile, int head_dim, int first_token,
 inline void rotate_forward_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,
                                 std::uint64_t const* words) noexcept {
   for (std::int64_t r = 0; r < rows; ++r) detail::rotate_forward_signs(x + r * stride, head_dim, words);
+}
+
+/// y + r * y_stride <- R (x + r * x_stride) for `rows` rows of head_dim floats (rows of y that do
+/// not overlap x's).
+inline void rotate_forward_rows(float const* x, std::ptrdiff_t x_stride, float* y, std::ptrdiff_t y_stride,
+                                std::int64_t rows, int head_dim, std::uint64_t const* words) noexcept {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::copy_n(x + r * x_stride, head_dim, y + r * y_stride);
+    detail::rotate_forward_signs(y + r * y_stride, head_dim, words);
+  }
 }
 
 /// x <- R^T x for `rows` rows x + r * stride of head_dim floats.

@@ -254,7 +254,9 @@ struct simd_codecs {
   // finite value for Inf and NaN, so the same maximum says whether the block is poisoned. The W
   // blocks' maxima are reduced across lanes together (lane i: block i), the scales of the batch
   // are computed in one vector — the same divisions and fp16 rounding as the reference, lane by
-  // lane — and finally each block's codes are written with its scale broadcast.
+  // lane — and finally each block's codes are written with its scale broadcast. q4_0 also needs
+  // the sign of its largest element: the largest positive and negative magnitudes are reduced
+  // apart, and only a block where both reach amax looks for the first of them.
 
   /// Lane i: the largest |x| bits of block x[i] of K vectors (i < n; 0 for the other lanes).
   template <int K>
@@ -269,7 +271,32 @@ struct simd_codecs {
     return V::max_lanes_i(m);
   }
 
-  /// The first element of block x whose magnitude is amax (> 0), sign kept: q4_0's signed max.
+  /// Lanes i < n, over the elements of block x[i] of K vectors: `pos` the largest bits of a
+  /// non-negative one, `neg` the largest |x| bits of a negative one (each below 0 when there is
+  /// none). As integers, the bits of non-negative floats order like their values, and flipping the
+  /// sign bit turns a negative float's bits into its magnitude's (a non-negative one's into a
+  /// negative integer).
+  template <int K>
+  static void block_signed_magnitudes(float const* const* x, int n, vi& pos, vi& neg) noexcept {
+    vi const sign = V::set1_i(std::numeric_limits<std::int32_t>::min());
+    vi p[std::size_t{W}], q[std::size_t{W}];
+    for (int i = 0; i < W; ++i) {
+      p[i] = q[i] = V::set1_i(0);
+      if (i < n)
+        for (int k = 0; k < K; ++k) {
+          vi const b = V::bits(V::load(x[i] + k * W));
+          p[i] = k == 0 ? b : V::max_i(p[i], b);
+          q[i] = k == 0 ? V::xor_i(b, sign) : V::max_i(q[i], V::xor_i(b, sign));
+        }
+    }
+    pos = V::max_lanes_i(p);
+    neg = V::max_lanes_i(q);
+  }
+
+  /// The lanes whose largest |x| bits are those of an Inf or a NaN.
+  static auto poisoned_lanes(vi amax_bits) noexcept { return V::gt_i(amax_bits, V::set1_i(0x7f7fffff)); }
+
+  /// The first element of block x whose magnitude is amax (> 0, finite), sign kept: q4_0's signed max.
   static float ggml_signed_max(float const* x, float amax) noexcept {
     vf const a = V::set1(amax);
     std::uint32_t hits = 0;
@@ -283,21 +310,38 @@ struct simd_codecs {
   /// neutral codes for a block holding NaN or Inf).
   template <bool Q4>
   static void ggml_batch(float const* const* x, u8* const* dst, int n) noexcept {
-    vi const amax_bits = block_magnitudes<kq>(x, n);
-    unsigned const poisoned = V::mask_bits(V::gt_i(amax_bits, V::set1_i(0x7f7fffff)));
+    vi amax_bits;
     vf d;
     if constexpr (Q4) {
       // max: the first element of largest magnitude, +0 when every element is ±0 (the reference
-      // never replaces its initial +0 then); poisoned blocks keep +0, their scale is replaced.
-      alignas(64) float amax[std::size_t{W}];
-      alignas(64) float max[std::size_t{W}] = {};
-      V::store(amax, V::from_bits(amax_bits));
-      for (int i = 0; i < n; ++i)
-        if (((poisoned >> i) & 1u) == 0 && amax[i] > 0.0f) max[i] = ggml_signed_max(x[i], amax[i]);
-      d = V::div(V::load(max), V::set1(-8.0f));
+      // never replaces its initial +0 then). Its sign comes from which of the block's largest
+      // positive and negative magnitudes reach amax; only a block where both do (and amax > 0)
+      // needs the first of them, found element by element.
+      vi pos, neg;
+      block_signed_magnitudes<kq>(x, n, pos, neg);
+      amax_bits = V::max_i(pos, neg);
+      vi const zero_i = V::set1_i(0);
+      vi const sign = V::select_i(
+          V::gt_i(amax_bits, zero_i),
+          V::select_i(V::eq_i(pos, amax_bits), zero_i, V::set1_i(std::numeric_limits<std::int32_t>::min())), zero_i);
+      unsigned const tied = V::mask_bits(V::eq_i(pos, amax_bits)) & V::mask_bits(V::eq_i(neg, amax_bits)) &
+                            V::mask_bits(V::gt_i(amax_bits, zero_i)) & ~V::mask_bits(poisoned_lanes(amax_bits));
+      vf max = V::from_bits(V::or_i(amax_bits, sign));
+      if (tied != 0) {
+        alignas(64) float m[std::size_t{W}];
+        V::store(m, max);
+        for (unsigned t = tied; t != 0; t &= t - 1) {
+          int const i = std::countr_zero(t);
+          m[i] = ggml_signed_max(x[i], std::fabs(m[i]));
+        }
+        max = V::load(m);
+      }
+      d = V::div(max, V::set1(-8.0f));
     } else {
+      amax_bits = block_magnitudes<kq>(x, n);
       d = V::div(V::from_bits(amax_bits), V::set1(127.0f));
     }
+    unsigned const poisoned = V::mask_bits(poisoned_lanes(amax_bits));
     vf const zero = V::set1(0.0f);
     vf const inv = V::div(V::set1(1.0f), d);
     alignas(64) float id[std::size_t{W}];
@@ -617,7 +661,7 @@ struct simd_codecs {
   static void fp4_batch(float const* const* x, u8* const* scale, u8* const* qs, int n) noexcept {
     constexpr int nv = Per / W;
     vi const amax_bits = block_magnitudes<nv>(x, n);
-    unsigned const poisoned = V::mask_bits(V::gt_i(amax_bits, V::set1_i(0x7f7fffff)));
+    unsigned const poisoned = V::mask_bits(poisoned_lanes(amax_bits));
     vi code;
     vf h;
     if constexpr (Mx) {
@@ -645,20 +689,19 @@ struct simd_codecs {
       V::store(inverse, V::from_bits(V::template slli<23>(V::sub_i(V::set1_i(255), code))));
     }
     for (int i = 0; i < n; ++i) {
-      vi c[std::size_t{nv}];
-      if ((exact >> i) & 1u) {
-        *scale[i] = byte[i];
-        vf const inv = V::set1(inverse[i]), neg_half = V::set1(mid.mid[7][i]);
-        for (int k = 0; k < nv; ++k) c[k] = mxfp4_exact_codes(V::load(x[i] + k * W), inv, neg_half);
-      } else if ((by_midpoints >> i) & 1u) {
-        *scale[i] = byte[i];
-        for (int k = 0; k < nv; ++k) c[k] = mid.codes(V::load(x[i] + k * W), i);
-      } else if ((poisoned >> i) & 1u) {
+      if ((poisoned >> i) & 1u) {  // (never coded by midpoints: amax is not finite)
         *scale[i] = Mx ? detail::mxfp4_poisoned_scale : detail::nvfp4_poisoned_scale;
         std::memset(qs[i], 0, Per / 2);
         continue;
+      }
+      *scale[i] = byte[i];
+      vi c[std::size_t{nv}];
+      if ((exact >> i) & 1u) {
+        vf const inv = V::set1(inverse[i]), neg_half = V::set1(mid.mid[7][i]);
+        for (int k = 0; k < nv; ++k) c[k] = mxfp4_exact_codes(V::load(x[i] + k * W), inv, neg_half);
+      } else if ((by_midpoints >> i) & 1u) {
+        for (int k = 0; k < nv; ++k) c[k] = mid.codes(V::load(x[i] + k * W), i);
       } else {
-        *scale[i] = byte[i];
         fp4_candidates const cand(half_scale[i]);
         for (int k = 0; k < nv; ++k) c[k] = cand.codes(V::load(x[i] + k * W));
       }
@@ -1191,10 +1234,11 @@ struct simd_codecs {
     });
   }
 
-  /// Rotates the block x: (NV W), channel i0 of the row, in registers (NV <= 16).
+  /// Rotates the block x: (NV W), channel i0 of the row, in registers (NV <= 16) into y (x or a
+  /// block that does not overlap it).
   template <bool Inverse, int NV>
-  KVQ_CPU_ALWAYS_INLINE static void rotate_block_in_registers(float* x, int i0, std::uint64_t const* words,
-                                                              float c) noexcept {
+  KVQ_CPU_ALWAYS_INLINE static void rotate_block_in_registers(float const* x, float* y, int i0,
+                                                              std::uint64_t const* words, float c) noexcept {
     vf v[std::size_t{NV}];
     static_for<NV>([&]<int J>() KVQ_CPU_ALWAYS_INLINE {
       v[J] = V::load(x + J * W);
@@ -1204,9 +1248,9 @@ struct simd_codecs {
     butterflies_across<NV>(v);
     vf const cv = V::set1(c);
     static_for<NV>([&]<int J>() KVQ_CPU_ALWAYS_INLINE {
-      vf y = V::mul(v[J], cv);
-      if constexpr (Inverse) y = V::flip_signs(y, sign_bits(words, i0 + J * W));
-      V::store(x + J * W, y);
+      vf r = V::mul(v[J], cv);
+      if constexpr (Inverse) r = V::flip_signs(r, sign_bits(words, i0 + J * W));
+      V::store(y + J * W, r);
     });
   }
 
@@ -1289,7 +1333,8 @@ struct simd_codecs {
       int const n = plan.size[k];
       float const c = plan.scale[k];
       float* const b = x + o;
-      if (with_register_block(n, [&]<int NV>() { rotate_block_in_registers<Inverse, NV>(b, o, words, c); })) continue;
+      if (with_register_block(n, [&]<int NV>() { rotate_block_in_registers<Inverse, NV>(b, b, o, words, c); }))
+        continue;
       if (n > 16 * W) {
         rotate_block_in_memory<Inverse>(b, n, o, words, c);
       } else {  // a block smaller than a vector: the reference's loops
@@ -1303,17 +1348,23 @@ struct simd_codecs {
     }
   }
 
+  /// R x (Inverse: R^T x) of `rows` rows x + r * xs: (head_dim) into y + r * ys: in place when y
+  /// is x (and ys xs), else rows that do not overlap x's.
   template <bool Inverse>
-  static void rotate_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,
-                          std::uint64_t const* words) noexcept {
+  static void rotate_rows(float const* x, std::ptrdiff_t xs, float* y, std::ptrdiff_t ys, std::int64_t rows,
+                          int head_dim, std::uint64_t const* words) noexcept {
     rotation_plan const plan(head_dim);
-    // One block of 1-16 vectors (head_dim 64 or 128 and the like): the block's kernel chosen once.
+    // One block of 1-16 vectors (head_dim 64 or 128 and the like): the block's kernel chosen once,
+    // reading x and writing y in one pass.
     if (plan.count == 1 && with_register_block(plan.size[0], [&]<int NV>() {
           for (std::int64_t r = 0; r < rows; ++r)
-            rotate_block_in_registers<Inverse, NV>(x + r * stride, 0, words, plan.scale[0]);
+            rotate_block_in_registers<Inverse, NV>(x + r * xs, y + r * ys, 0, words, plan.scale[0]);
         }))
       return;
-    for (std::int64_t r = 0; r < rows; ++r) rotate_row<Inverse>(x + r * stride, plan, words);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (y != x) std::memcpy(y + r * ys, x + r * xs, static_cast<std::size_t>(head_dim) * sizeof(float));
+      rotate_row<Inverse>(y + r * ys, plan, words);
+    }
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -1698,9 +1749,16 @@ KVQ_NAMESPACE_END
   }                                                                                                                   \
   inline void rotate_forward_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,                   \
                                   std::uint64_t const* words) noexcept {                                              \
-    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template rotate_rows<false>(x, rows, stride, head_dim, words);        \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template rotate_rows<false>(x, stride, x, stride, rows, head_dim,     \
+                                                                            words);                                   \
+  }                                                                                                                   \
+  inline void rotate_forward_rows(float const* x, std::ptrdiff_t x_stride, float* y, std::ptrdiff_t y_stride,         \
+                                  std::int64_t rows, int head_dim, std::uint64_t const* words) noexcept {             \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template rotate_rows<false>(x, x_stride, y, y_stride, rows, head_dim, \
+                                                                            words);                                   \
   }                                                                                                                   \
   inline void rotate_inverse_rows(float* x, std::int64_t rows, std::ptrdiff_t stride, int head_dim,                   \
                                   std::uint64_t const* words) noexcept {                                              \
-    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template rotate_rows<true>(x, rows, stride, head_dim, words);         \
+    ::kvq::cpu_kernels::simd::simd_codecs<OPS>::template rotate_rows<true>(x, stride, x, stride, rows, head_dim,      \
+                                                                           words);                                    \
   }
