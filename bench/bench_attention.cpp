@@ -6,9 +6,9 @@
 // Shapes: gqa = 32 query / 8 KV heads, mha = 32 / 32; head_dim 128; contexts 512, 4k, 16k, 32k;
 // KIVI at G = 32, R = 128. Every codec runs with the default options (f32 query); q8_0, q4_0 and
 // int8 also run with query_precision::q8_0 (integer q·K), named <codec>+q8q, with
-// probability_precision::i8 (integer P·V), named <codec>+i8p, and with both, <codec>+q8q+i8p. The rotated codecs
-// rot-q4_0 and tq4 (FORMATS.md §6) run one cell each, gqa at 4k on 1 and 2 threads, to set
-// against f16 and q4_0 there.
+// probability_precision::i8 (integer P·V), named <codec>+i8p, and with both, <codec>+q8q+i8p. The FP4 codecs
+// mxfp4 and nvfp4 (FORMATS.md §7) and the rotated codecs rot-q4_0, tq4, tq3 and tq2 (§6) run one
+// cell each, gqa at 4k on 1 and 2 threads, to set against f16 and q4_0 there.
 //
 // Working set: each (codec, shape, context) builds one cache of L layers holding N(0,1) keys (four
 // outlier channels ×10) and values, L chosen so the K and V bytes attended over all layers are at
@@ -25,6 +25,7 @@
 // and machine/int8dot (macs_per_second).
 #include <kvq/attention.hpp>
 #include <kvq/cache.hpp>
+#include <kvq/codec/fp4.hpp>
 #include <kvq/codec/fp8.hpp>
 #include <kvq/codec/int8.hpp>
 #include <kvq/codec/kivi.hpp>
@@ -190,11 +191,15 @@ void register_all() {
   register_codec<kvq::kivi<2, 32>>("kivi2", false);
   register_codec<kvq::kivi<4, 32>>("kivi4", false);
   register_codec<kvq::kivi<8, 32>>("kivi8", false);
-  // The rotated codecs: gqa at 4k only (against f16 and q4_0 there).
+  // The FP4 and rotated codecs: gqa at 4k only (against f16 and q4_0 there).
   constexpr shape_spec gqa[] = {shapes[0]};
   constexpr int at_4k[] = {4096};
+  register_codec<kvq::mxfp4>("mxfp4", false, gqa, at_4k);
+  register_codec<kvq::nvfp4>("nvfp4", false, gqa, at_4k);
   register_codec<kvq::rotated<kvq::q4_0>>("rot-q4_0", false, gqa, at_4k);
   register_codec<kvq::tq4>("tq4", false, gqa, at_4k);
+  register_codec<kvq::tq3>("tq3", false, gqa, at_4k);
+  register_codec<kvq::tq2>("tq2", false, gqa, at_4k);
   register_machine("/again");
 }
 

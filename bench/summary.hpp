@@ -35,8 +35,9 @@ inline std::vector<std::string> const codec_names = {"f32",      "f16",   "q4_0"
                                                      "fp8_e5m2", "kivi2", "kivi4", "kivi8", "mxfp4", "nvfp4",
                                                      "rot-q4_0", "tq4",   "tq3",   "tq2"};
 
-/// The rotated codecs (FORMATS.md §6): their attention cells are also set against q4_0.
-inline std::vector<std::string> const rotated_codec_names = {"rot-q4_0", "tq4", "tq3", "tq2"};
+/// The 4-bit-or-less codecs of FORMATS.md (the FP4 blocks of §7, the rotated codecs of §6): their
+/// attention cells are also set against q4_0.
+inline std::vector<std::string> const low_bit_codec_names = {"mxfp4", "nvfp4", "rot-q4_0", "tq4", "tq3", "tq2"};
 
 /// The size whose encode/decode figures feed the JSON and the targets.
 inline constexpr std::string_view target_size = "256MiB";
@@ -870,25 +871,25 @@ inline auto context_text(int context) -> std::string {
   return context >= 1024 && context % 1024 == 0 ? std::to_string(context / 1024) + "k" : std::to_string(context);
 }
 
-/// The attention cells of the rotated codecs, one line per (shape, context, threads): "gqa 4k, 1
-/// thread: f16 2.13 ms, q4_0 1.38 ms, rot-q4_0 1.50 ms (1.42× f16, 0.92× q4_0), ...".
-inline auto rotated_lines(summary const& s) -> std::vector<std::string> {
-  auto const rotated = [](std::string const& codec) {
-    return std::find(rotated_codec_names.begin(), rotated_codec_names.end(), codec) != rotated_codec_names.end();
+/// The attention cells of the FP4 and rotated codecs, one line per (shape, context, threads): "gqa
+/// 4k, 1 thread: f16 2.13 ms, q4_0 1.38 ms, rot-q4_0 1.50 ms (1.42× f16, 0.92× q4_0), ...".
+inline auto low_bit_lines(summary const& s) -> std::vector<std::string> {
+  auto const low_bit = [](std::string const& codec) {
+    return std::find(low_bit_codec_names.begin(), low_bit_codec_names.end(), codec) != low_bit_codec_names.end();
   };
   std::vector<std::string> lines;
   std::set<std::tuple<int, std::string, int, int>> cells;  // shape rank (gqa first), shape, context, threads
   for (auto const& r : s.attention)
-    if (rotated(r.codec) && r.default_options())
+    if (low_bit(r.codec) && r.default_options())
       cells.insert({r.shape == "gqa" ? 0 : 1, r.shape, r.context, r.threads});
   for (auto const& [rank, shape, context, t] : cells) {
     std::string line =
         shape + " " + context_text(context) + ", " + std::to_string(t) + (t == 1 ? " thread:" : " threads:");
     for (auto const& r : s.attention) {
       if (!r.default_options() || r.shape != shape || r.context != context || r.threads != t) continue;
-      if (r.codec != "f16" && r.codec != "q4_0" && !rotated(r.codec)) continue;
+      if (r.codec != "f16" && r.codec != "q4_0" && !low_bit(r.codec)) continue;
       line += " " + r.label() + " " + ms_text(r.seconds) + " ms";
-      if (rotated(r.codec))
+      if (low_bit(r.codec))
         line += " (" + (r.speedup_vs_f16 ? format("%.2f×", *r.speedup_vs_f16) : std::string("—")) + " f16, " +
                 (r.speedup_vs_q4_0 ? format("%.2f×", *r.speedup_vs_q4_0) : std::string("—")) + " q4_0)";
       line += ",";
@@ -1066,9 +1067,9 @@ inline void print_text(summary const& s, std::ostream& os) {
              detail::check_text(attention_targets(r))});
     }
     t.print(os, 3);
-    auto const rotated = detail::rotated_lines(s);
-    if (!rotated.empty()) os << "Rotated codecs against f16 and q4_0 (× = their time / time):\n";
-    for (auto const& line : rotated) os << "  " << line << "\n";
+    auto const low_bit = detail::low_bit_lines(s);
+    if (!low_bit.empty()) os << "FP4 and rotated codecs against f16 and q4_0 (× = their time / time):\n";
+    for (auto const& line : low_bit) os << "  " << line << "\n";
   }
 
   if (!s.multi_query.empty()) {
@@ -1187,8 +1188,9 @@ bytes, i.e. the ratio of their GB/s.
 codec with the default options (f32 query) and, as extra rows, q8_0 / q4_0 / int8 with
 `query_precision::q8_0` (integer q·K, `<codec>+q8q`), with `probability_precision::i8` (integer
 p·V, `<codec>+i8p`) and with both (`<codec>+q8q+i8p`). Shapes gqa (32 query / 8 KV heads) and mha (32 / 32),
-head_dim 128, contexts 512, 4k, 16k, 32k; KIVI at G = 32, R = 128. The rotated codecs `rot-q4_0`
-and `tq4` run gqa at 4k only (1 and 2 threads), listed against f16 and q4_0 there. Keys are N(0, 1)
+head_dim 128, contexts 512, 4k, 16k, 32k; KIVI at G = 32, R = 128. The FP4 codecs `mxfp4` and `nvfp4`
+and the rotated codecs `rot-q4_0` and `tq4` / `tq3` / `tq2` run gqa at 4k only (1 and 2 threads), listed
+against f16 and q4_0 there. Keys are N(0, 1)
 with four outlier channels ×10, values N(0, 1). Each (codec, shape, context) fills enough layers
 that the K and V bytes attended over all of them are at least twice the last-level cache, and
 iteration i attends layer i mod L, so no result comes from cache. **× f16** = time of the f16 cache
@@ -1321,10 +1323,10 @@ destination as large as the cache. **% of memcpy** = memcpy time / append time.
         }
       }
     }
-    if (auto const rotated = detail::rotated_lines(s); !rotated.empty()) {
-      os << "\n### Rotated codecs against f16 and q4_0\n\nMedian time per call; × = f16's or q4_0's time / time "
-            "(same shape, context and threads).\n\n";
-      for (auto const& line : rotated) os << "- " << line << "\n";
+    if (auto const low_bit = detail::low_bit_lines(s); !low_bit.empty()) {
+      os << "\n### FP4 and rotated codecs against f16 and q4_0\n\nMedian time per call; × = f16's or q4_0's time / "
+            "time (same shape, context and threads).\n\n";
+      for (auto const& line : low_bit) os << "- " << line << "\n";
     }
   }
 

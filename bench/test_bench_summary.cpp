@@ -455,7 +455,7 @@ TEST_CASE("kvq_bench_summary --multi-query reads the multi-token suite", "[bench
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("rotated codecs: table order after DESIGN §8, × q4_0, one line per cell", "[bench][summary]") {
+TEST_CASE("FP4 and rotated codecs: table order after DESIGN §8, × q4_0, one line per cell", "[bench][summary]") {
   auto const entry = [](std::string const& name, double ms, double bytes) {
     return nlohmann::json{{"name", name + "/real_time"}, {"run_name", name + "/real_time"},
                           {"run_type", "iteration"},     {"real_time", ms},
@@ -463,34 +463,36 @@ TEST_CASE("rotated codecs: table order after DESIGN §8, × q4_0, one line per c
   };
   nlohmann::json attention = {{"benchmarks", nlohmann::json::array()}};
   for (auto const& [codec, ms] : {std::pair{"tq4", 4.0}, std::pair{"rot-q4_0", 1.25}, std::pair{"q4_0", 1.0},
-                                  std::pair{"f16", 2.0}, std::pair{"q4_0+q8q", 0.5}})
+                                  std::pair{"f16", 2.0}, std::pair{"q4_0+q8q", 0.5}, std::pair{"mxfp4", 0.8}})
     attention["benchmarks"].push_back(entry(std::string("attention/") + codec + "/gqa/ctx:4096/threads:1", ms, 0.0));
   nlohmann::json codecs = {{"benchmarks", nlohmann::json::array()}};
   for (auto const& [op, ms] : {std::pair{"encode", 20.0}, std::pair{"decode", 12.5}, std::pair{"memcpy", 10.0}})
     codecs["benchmarks"].push_back(entry(std::string(op) + "/rot-q4_0/256MiB", ms, 3.0e8));
   auto const s = sm::summarise(sm::load_suite(codecs), sm::load_suite(attention));
 
-  REQUIRE(s.attention.size() == 5);  // f16, q4_0, q4_0+q8q, rot-q4_0, tq4
-  REQUIRE(s.attention[3].codec == "rot-q4_0");
-  REQUIRE(s.attention[4].codec == "tq4");
-  REQUIRE_THAT(*s.attention[3].speedup_vs_f16, WithinRel(1.6, 1e-12));
-  REQUIRE_THAT(*s.attention[3].speedup_vs_q4_0, WithinRel(0.8, 1e-12));  // against q4_0's f32-query row
-  REQUIRE_THAT(*s.attention[4].speedup_vs_q4_0, WithinRel(0.25, 1e-12));
+  REQUIRE(s.attention.size() == 6);  // f16, q4_0, q4_0+q8q, mxfp4, rot-q4_0, tq4
+  REQUIRE(s.attention[3].codec == "mxfp4");
+  REQUIRE(s.attention[4].codec == "rot-q4_0");
+  REQUIRE(s.attention[5].codec == "tq4");
+  REQUIRE_THAT(*s.attention[3].speedup_vs_q4_0, WithinRel(1.25, 1e-12));
+  REQUIRE_THAT(*s.attention[4].speedup_vs_f16, WithinRel(1.6, 1e-12));
+  REQUIRE_THAT(*s.attention[4].speedup_vs_q4_0, WithinRel(0.8, 1e-12));  // against q4_0's f32-query row
+  REQUIRE_THAT(*s.attention[5].speedup_vs_q4_0, WithinRel(0.25, 1e-12));
 
-  auto const lines = sm::detail::rotated_lines(s);
+  auto const lines = sm::detail::low_bit_lines(s);
   REQUIRE(lines.size() == 1);
   REQUIRE(lines[0] ==
-          "gqa 4k, 1 thread: f16 2.00 ms, q4_0 1.00 ms, rot-q4_0 1.25 ms (1.60× f16, 0.80× q4_0), tq4 "
-          "4.00 ms (0.50× f16, 0.25× q4_0)");
+          "gqa 4k, 1 thread: f16 2.00 ms, q4_0 1.00 ms, mxfp4 0.800 ms (2.50× f16, 1.25× q4_0), rot-q4_0 1.25 ms "
+          "(1.60× f16, 0.80× q4_0), tq4 4.00 ms (0.50× f16, 0.25× q4_0)");
 
-  REQUIRE(s.codecs.size() == 4);  // f16, q4_0, rot-q4_0, tq4
-  REQUIRE(s.codecs[2].codec == "rot-q4_0");
-  REQUIRE_THAT(*s.codecs[2].encode_pct, WithinRel(50.0, 1e-12));
-  REQUIRE_THAT(*s.codecs[2].decode_pct, WithinRel(80.0, 1e-12));
+  REQUIRE(s.codecs.size() == 5);  // f16, q4_0, mxfp4, rot-q4_0, tq4
+  REQUIRE(s.codecs[3].codec == "rot-q4_0");
+  REQUIRE_THAT(*s.codecs[3].encode_pct, WithinRel(50.0, 1e-12));
+  REQUIRE_THAT(*s.codecs[3].decode_pct, WithinRel(80.0, 1e-12));
   check_schema(sm::to_json(s));
 
   std::ostringstream md;
   sm::write_readme(s, md, 0);
-  REQUIRE(md.str().find("### Rotated codecs against f16 and q4_0") != std::string::npos);
+  REQUIRE(md.str().find("### FP4 and rotated codecs against f16 and q4_0") != std::string::npos);
   REQUIRE(md.str().find("| rot-q4_0 | 256MiB | 15.0 | 24.0 | 30.0 | — | 50.0 | 80.0 |") != std::string::npos);
 }

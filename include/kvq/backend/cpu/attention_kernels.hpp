@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../../codec/fp4.hpp"
 #include "../../codec/fp8.hpp"
 #include "../../codec/int8.hpp"
 #include "../../codec/kivi.hpp"
@@ -271,6 +272,9 @@ struct simd_attention {
   using vm = typename V::vm;
   static constexpr int W = V::W;
   static constexpr int T = attention_kernel_tile;
+  /// Whether a table of 16 floats is one register of 16 lanes (AVX-512): the 4-bit loaders then
+  /// decode by one permute of the block's values.
+  static constexpr bool register_table16 = W == 16 && sizeof(typename V::table16) == sizeof(vf);
   /// From this many query rows on (heads, or tokens x heads), a tile's keys and values are decoded
   /// once into f32 rows instead of in registers for every four rows.
   static constexpr int many_rows = 8;
@@ -356,19 +360,36 @@ struct simd_attention {
       return static_cast<float>(static_cast<std::int8_t>(blk[2 + c % 32])) * scale_at(blk);
     }
   };
-  /// q4_0 rows ((n - 8) d = n d - 8 d exactly, so one FMA rounds as the codec's product does).
+  /// q4_0 rows. With 16 lanes and a register table of 16 floats, prepare computes the block's
+  /// sixteen values (n - 8) d (each product rounded once, as the codec's) and a load is one permute
+  /// of them by the nibbles; elsewhere (n - 8) d = n d - 8 d exactly, so one FMA rounds as the
+  /// codec's product does.
   struct q4_0_rows {
     std::uint8_t const* const* rows;
     static constexpr std::size_t bb = sizeof(detail::block_q4_0);
-    scale8_prep prepare(int t, int c) const noexcept {
+    static constexpr bool by_table = register_table16;
+    struct table_prep {
+      vf values;  // lane n: (n - 8) d
+    };
+    using prep = std::conditional_t<by_table, table_prep, scale8_prep>;
+    prep prepare(int t, int c) const noexcept {
       float const x = scale_at(rows[t] + bb * static_cast<std::size_t>(c / 32));
-      return {V::set1(x), V::set1(-8.0f * x)};
+      if constexpr (by_table) {
+        alignas(64) static constexpr float centred[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+        return {V::mul_c(V::load(centred), V::set1(x))};
+      } else {
+        return {V::set1(x), V::set1(-8.0f * x)};
+      }
     }
-    vf load(int t, int c, scale8_prep const& pr) const noexcept {
+    vf load(int t, int c, prep const& pr) const noexcept {
       int const j = c % 32;
       vi const bytes = V::load_u8(rows[t] + bb * static_cast<std::size_t>(c / 32) + 2 + (j % 16));
-      vi const nib = j < 16 ? V::and_i(bytes, V::set1_i(15)) : V::template srli<4>(bytes);
-      return V::fma(V::cvt_f(nib), pr.scale, pr.minus8);
+      if constexpr (by_table) {  // the permute reads the low 4 bits of each lane
+        return V::template lookup<4>(pr.values, j < 16 ? bytes : V::template srli<4>(bytes));
+      } else {
+        vi const nib = j < 16 ? V::and_i(bytes, V::set1_i(15)) : V::template srli<4>(bytes);
+        return V::fma(V::cvt_f(nib), pr.scale, pr.minus8);
+      }
     }
     float at(int t, int c) const noexcept {
       std::uint8_t const* blk = rows[t] + bb * static_cast<std::size_t>(c / 32);
@@ -524,6 +545,44 @@ struct simd_attention {
     }
   };
 
+  /// mxfp4 rows, for 16 lanes and a register table of 16 floats: prepare computes the block's
+  /// sixteen decoded values, K[code] h times the codec scale rounded as the codec's decode rounds
+  /// them (sixteen NaNs for a poisoned block), and a load is one permute of them by the codes.
+  /// (nvfp4, whose 32 channels hold two scales, keeps the decoded rows: two tables per token
+  /// spilled the q . k tile's registers and measured no faster.)
+  struct mxfp4_rows {
+    static constexpr std::size_t bb = sizeof(detail::block_mxfp4);
+    std::uint8_t const* const* rows;
+    float scale;
+    struct prep {
+      vf values;  // lane i: the value of code i
+    };
+    std::uint8_t const* block_of(int t, int c) const noexcept {
+      return rows[t] + bb * static_cast<std::size_t>(c / detail::qk_mxfp4);
+    }
+    KVQ_CPU_ALWAYS_INLINE prep prepare(int t, int c) const noexcept {
+      std::uint8_t const e = block_of(t, c)[0];
+      if (e == detail::mxfp4_poisoned_scale) return {V::set1(detail::fp4_nan())};
+      // detail::fp4_doubled_value of codes 0-15.
+      alignas(64) static constexpr float doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+      return {V::mul(V::mul(V::load(doubled), V::set1(detail::mxfp4_half_scale(e))), V::set1(scale))};
+    }
+    KVQ_CPU_ALWAYS_INLINE vf load(int t, int c,
+                                  prep const& pr) const noexcept {  // byte j: channels j (low nibble), j + 16 (high)
+      int const j = c % detail::qk_mxfp4;
+      vi const bytes = V::load_u8(block_of(t, c) + offsetof(detail::block_mxfp4, qs) + j % 16);
+      return V::template lookup<4>(pr.values, j < 16 ? bytes : V::template srli<4>(bytes));
+    }
+    float at(int t, int c) const noexcept {
+      std::uint8_t const* blk = block_of(t, c);
+      if (blk[0] == detail::mxfp4_poisoned_scale) return detail::fp4_nan();
+      int const j = c % detail::qk_mxfp4;
+      std::uint8_t const* qs = blk + offsetof(detail::block_mxfp4, qs);
+      int const code = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+      return detail::mul_rn(detail::fp4_value(code, detail::mxfp4_half_scale(blk[0])), scale);
+    }
+  };
+
   /// Per-tile memory of the loaders: row pointers.
   struct tile_rows {
     std::uint8_t const* rows[T];
@@ -569,7 +628,9 @@ struct simd_attention {
         f(tq_rows<C::bits>{tr.rows, d, m});
       else
         decoded<C>(src, p, d, t, m, tr, buffer, f);
-    } else {  // codecs without a loader (mxfp4, nvfp4, ...): decoded rows
+    } else if constexpr (std::is_same_v<C, mxfp4> && register_table16) {
+      f(mxfp4_rows{tr.rows, p.scale});
+    } else {  // codecs without a loader (nvfp4, mxfp4 on fewer lanes, ...): decoded rows
       decoded<C>(src, p, d, t, m, tr, buffer, f);
     }
   }
