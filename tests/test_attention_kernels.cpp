@@ -441,6 +441,38 @@ TEST_CASE("SIMD attention: fp8 with a scale, and E5M2 infinities", "[attention_k
   run(kvq::fp8_e4m3{}, 3.0e37f, kvq::fp8_overflow::saturate, "e4m3, scale 3e37 (its 2^8 multiple overflows)");
 }
 
+TEST_CASE("SIMD attention: FP4 rows with a scale, NaN and Inf as the reference", "[attention_kernels][fp4]") {
+  int const kv = 2, qh = 8;
+  std::int64_t const n = 100;
+  for (int d : {128, 96, 40}) {
+    auto const q = queries(qh, d, 23);
+    std::mt19937 gen(29);
+    std::normal_distribution<float> nd;
+    std::vector<float> k(static_cast<std::size_t>(n) * kv * d), v(k.size());
+    for (auto& x : k) x = nd(gen);
+    for (auto& x : v) x = nd(gen);
+    auto run = [&](auto tag, float scale, std::string const& what) {
+      using C = decltype(tag);
+      typename kvq::QuantizedKVCache<C>::options o;
+      o.key = o.value = kvq::fp4_params{scale};
+      kvq::QuantizedKVCache<C> cache({2, kv, d, n}, o);
+      cache.append(1, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+      std::string const label = what + ", scale " + std::to_string(scale) + ", head_dim " + std::to_string(d);
+      compare(cache, q, qh, 0, n, {}, 2e-5, label);
+      compare(cache, q, qh, 0, 40, {}, 2e-5, label + ", before token 40");
+    };
+    for (float scale : {1.0f, 0.37f}) {
+      run(kvq::mxfp4{}, scale, "mxfp4");
+      run(kvq::nvfp4{}, scale, "nvfp4");
+    }
+    // A poisoned key block (NaN logits from token 40 on one kv head) and a poisoned value block.
+    k[static_cast<std::size_t>(40 * kv + 1) * d + 5] = inf_f;
+    v[static_cast<std::size_t>(70 * kv) * d + 9] = std::numeric_limits<float>::quiet_NaN();
+    run(kvq::mxfp4{}, 1.0f, "mxfp4 with NaN/Inf blocks");
+    run(kvq::nvfp4{}, 1.0f, "nvfp4 with NaN/Inf sub-blocks");
+  }
+}
+
 namespace {
 
 /// Every kernel against the reference through the multi-token driver (attention_with<Kernel>):

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -545,11 +546,12 @@ struct simd_attention {
     }
   };
 
+  /// detail::fp4_doubled_value of codes 0-15.
+  alignas(64) static constexpr float fp4_doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
   /// mxfp4 rows, for 16 lanes and a register table of 16 floats: prepare computes the block's
   /// sixteen decoded values, K[code] h times the codec scale rounded as the codec's decode rounds
   /// them (sixteen NaNs for a poisoned block), and a load is one permute of them by the codes.
-  /// (nvfp4, whose 32 channels hold two scales, keeps the decoded rows: two tables per token
-  /// spilled the q . k tile's registers and measured no faster.)
   struct mxfp4_rows {
     static constexpr std::size_t bb = sizeof(detail::block_mxfp4);
     std::uint8_t const* const* rows;
@@ -563,9 +565,7 @@ struct simd_attention {
     KVQ_CPU_ALWAYS_INLINE prep prepare(int t, int c) const noexcept {
       std::uint8_t const e = block_of(t, c)[0];
       if (e == detail::mxfp4_poisoned_scale) return {V::set1(detail::fp4_nan())};
-      // detail::fp4_doubled_value of codes 0-15.
-      alignas(64) static constexpr float doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-      return {V::mul(V::mul(V::load(doubled), V::set1(detail::mxfp4_half_scale(e))), V::set1(scale))};
+      return {V::mul(V::mul(V::load(fp4_doubled), V::set1(detail::mxfp4_half_scale(e))), V::set1(scale))};
     }
     KVQ_CPU_ALWAYS_INLINE vf load(int t, int c,
                                   prep const& pr) const noexcept {  // byte j: channels j (low nibble), j + 16 (high)
@@ -580,6 +580,51 @@ struct simd_attention {
       std::uint8_t const* qs = blk + offsetof(detail::block_mxfp4, qs);
       int const code = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
       return detail::mul_rn(detail::fp4_value(code, detail::mxfp4_half_scale(blk[0])), scale);
+    }
+  };
+
+  /// nvfp4 rows, for 16 lanes: a vector is one sub-block of 16 channels (8 code bytes), its codes
+  /// looked up in the constant doubled E2M1 values K, times the sub-block's half-scale h (exact: K
+  /// has at most two significant bits, h at most four), then times the codec scale (one rounding):
+  /// the codec's decode. h comes from a table of the 256 scale bytes (NaN for the poisoned one), a
+  /// memory operand of the multiply, so the loader holds no per-token registers. (Two prepared
+  /// tables per 32 channels spilled the q . k tile's registers.)
+  struct nvfp4_rows {
+    static constexpr std::size_t bb = sizeof(detail::block_nvfp4);
+    std::uint8_t const* const* rows;
+    float scale;
+    float const* half;  // half_scales()
+    struct prep {};
+    /// h of every scale byte: detail::nvfp4_half_scale, NaN for detail::nvfp4_poisoned_scale.
+    static float const* half_scales() noexcept {
+      static auto const table = [] {
+        std::array<float, 256> h{};
+        for (int b = 0; b < 256; ++b)
+          h[static_cast<std::size_t>(b)] = b == detail::nvfp4_poisoned_scale
+                                               ? detail::fp4_nan()
+                                               : detail::nvfp4_half_scale(static_cast<std::uint8_t>(b));
+        return h;
+      }();
+      return table.data();
+    }
+    std::uint8_t const* block_of(int t, int c) const noexcept {
+      return rows[t] + bb * static_cast<std::size_t>(c / detail::qk_nvfp4);
+    }
+    KVQ_CPU_ALWAYS_INLINE prep prepare(int, int) const noexcept { return {}; }
+    KVQ_CPU_ALWAYS_INLINE vf load(int t, int c, prep const&) const noexcept {
+      std::uint8_t const* blk = block_of(t, c);
+      int const s = (c % detail::qk_nvfp4) / detail::qk_nvfp4_sub;
+      vi const codes = V::load_nibble_halves(blk + offsetof(detail::block_nvfp4, qs) + static_cast<std::size_t>(8 * s));
+      vf const value = V::mul_c(V::template lookup<4>(V::load(fp4_doubled), codes), V::set1(half[blk[s]]));
+      return V::mul(value, V::set1(scale));
+    }
+    float at(int t, int c) const noexcept {
+      std::uint8_t const* blk = block_of(t, c);
+      int const s = (c % detail::qk_nvfp4) / detail::qk_nvfp4_sub, j = c % detail::qk_nvfp4_sub;
+      if (blk[s] == detail::nvfp4_poisoned_scale) return detail::fp4_nan();
+      std::uint8_t const byte = blk[offsetof(detail::block_nvfp4, qs) + static_cast<std::size_t>(8 * s + j % 8)];
+      int const code = j < 8 ? byte & 15 : byte >> 4;
+      return detail::mul_rn(detail::fp4_value(code, detail::nvfp4_half_scale(blk[s])), scale);
     }
   };
 
@@ -630,7 +675,9 @@ struct simd_attention {
         decoded<C>(src, p, d, t, m, tr, buffer, f);
     } else if constexpr (std::is_same_v<C, mxfp4> && register_table16) {
       f(mxfp4_rows{tr.rows, p.scale});
-    } else {  // codecs without a loader (nvfp4, mxfp4 on fewer lanes, ...): decoded rows
+    } else if constexpr (std::is_same_v<C, nvfp4> && register_table16) {
+      f(nvfp4_rows{tr.rows, p.scale, nvfp4_rows::half_scales()});
+    } else {  // codecs without a loader (FP4 on fewer lanes, ...): decoded rows
       decoded<C>(src, p, d, t, m, tr, buffer, f);
     }
   }
