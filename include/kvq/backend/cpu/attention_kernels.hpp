@@ -548,10 +548,21 @@ struct simd_attention {
 
   /// detail::fp4_doubled_value of codes 0-15.
   alignas(64) static constexpr float fp4_doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  /// FP4 rows load by a register lookup: 16 lanes permute a table of the 16 codes' values, 8
+  /// lanes (AVX2) the 8 magnitudes' and flip the sign by bit 3 of the code.
+  static constexpr bool fp4_register_lookup = register_table16 || W == 8;
+  /// Lane l = the value of code idx_l (low 4 bits) given the first W of the 16 values (W = 16: all
+  /// of them; W = 8: the magnitudes, codes 0-7, the others their negations).
+  KVQ_CPU_ALWAYS_INLINE static vf fp4_lookup(vf values, vi idx) noexcept {
+    if constexpr (W == 16)
+      return V::template lookup<4>(values, idx);
+    else
+      return V::lookup_sign_magnitude(values, idx);
+  }
 
-  /// mxfp4 rows, for 16 lanes and a register table of 16 floats: prepare computes the block's
-  /// sixteen decoded values, K[code] h times the codec scale rounded as the codec's decode rounds
-  /// them (sixteen NaNs for a poisoned block), and a load is one permute of them by the codes.
+  /// mxfp4 rows (fp4_register_lookup): prepare computes the block's decoded values of the first W
+  /// codes, K[code] h times the codec scale rounded as the codec's decode rounds them (NaNs for a
+  /// poisoned block), and a load is one fp4_lookup of them by the codes.
   struct mxfp4_rows {
     static constexpr std::size_t bb = sizeof(detail::block_mxfp4);
     std::uint8_t const* const* rows;
@@ -571,7 +582,7 @@ struct simd_attention {
                                   prep const& pr) const noexcept {  // byte j: channels j (low nibble), j + 16 (high)
       int const j = c % detail::qk_mxfp4;
       vi const bytes = V::load_u8(block_of(t, c) + offsetof(detail::block_mxfp4, qs) + j % 16);
-      return V::template lookup<4>(pr.values, j < 16 ? bytes : V::template srli<4>(bytes));
+      return fp4_lookup(pr.values, j < 16 ? bytes : V::template srli<4>(bytes));
     }
     float at(int t, int c) const noexcept {
       std::uint8_t const* blk = block_of(t, c);
@@ -583,12 +594,13 @@ struct simd_attention {
     }
   };
 
-  /// nvfp4 rows, for 16 lanes: a vector is one sub-block of 16 channels (8 code bytes), its codes
-  /// looked up in the constant doubled E2M1 values K, times the sub-block's half-scale h (exact: K
-  /// has at most two significant bits, h at most four), then times the codec scale (one rounding):
-  /// the codec's decode. h comes from a table of the 256 scale bytes (NaN for the poisoned one), a
-  /// memory operand of the multiply, so the loader holds no per-token registers. (Two prepared
-  /// tables per 32 channels spilled the q . k tile's registers.)
+  /// nvfp4 rows (fp4_register_lookup): a vector is a sub-block of 16 channels (8 code bytes; half
+  /// of one on 8 lanes), its codes looked up in the constant doubled E2M1 values K, times the
+  /// sub-block's half-scale h (exact: K has at most two significant bits, h at most four), then
+  /// times the codec scale (one rounding): the codec's decode. h comes from a table of the 256
+  /// scale bytes (NaN for the poisoned one), a memory operand of the multiply, so the loader holds
+  /// no per-token registers. (Two prepared tables per 32 channels spilled the q . k tile's
+  /// registers.)
   struct nvfp4_rows {
     static constexpr std::size_t bb = sizeof(detail::block_nvfp4);
     std::uint8_t const* const* rows;
@@ -614,8 +626,15 @@ struct simd_attention {
     KVQ_CPU_ALWAYS_INLINE vf load(int t, int c, prep const&) const noexcept {
       std::uint8_t const* blk = block_of(t, c);
       int const s = (c % detail::qk_nvfp4) / detail::qk_nvfp4_sub;
-      vi const codes = V::load_nibble_halves(blk + offsetof(detail::block_nvfp4, qs) + static_cast<std::size_t>(8 * s));
-      vf const value = V::mul_c(V::template lookup<4>(V::load(fp4_doubled), codes), V::set1(half[blk[s]]));
+      std::uint8_t const* qs = blk + offsetof(detail::block_nvfp4, qs) + static_cast<std::size_t>(8 * s);
+      vi codes;
+      if constexpr (W == 16) {
+        codes = V::load_nibble_halves(qs);
+      } else {  // channels j < 8 of the sub-block: low nibbles of its 8 bytes, j >= 8: high nibbles
+        vi const bytes = V::load_u8(qs);
+        codes = c % detail::qk_nvfp4_sub < 8 ? bytes : V::template srli<4>(bytes);
+      }
+      vf const value = V::mul_c(fp4_lookup(V::load(fp4_doubled), codes), V::set1(half[blk[s]]));
       return V::mul(value, V::set1(scale));
     }
     float at(int t, int c) const noexcept {
@@ -673,11 +692,11 @@ struct simd_attention {
         f(tq_rows<C::bits>{tr.rows, d, m});
       else
         decoded<C>(src, p, d, t, m, tr, buffer, f);
-    } else if constexpr (std::is_same_v<C, mxfp4> && register_table16) {
+    } else if constexpr (std::is_same_v<C, mxfp4> && fp4_register_lookup) {
       f(mxfp4_rows{tr.rows, p.scale});
-    } else if constexpr (std::is_same_v<C, nvfp4> && register_table16) {
+    } else if constexpr (std::is_same_v<C, nvfp4> && fp4_register_lookup) {
       f(nvfp4_rows{tr.rows, p.scale, nvfp4_rows::half_scales()});
-    } else {  // codecs without a loader (FP4 on fewer lanes, ...): decoded rows
+    } else {  // codecs without a loader (FP4 on NEON, ...): decoded rows
       decoded<C>(src, p, d, t, m, tr, buffer, f);
     }
   }

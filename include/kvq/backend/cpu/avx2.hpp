@@ -301,6 +301,12 @@ struct ops {
       return _mm256_xor_ps(m, _mm256_castsi256_ps(_mm256_andnot_si256(s, _mm256_set1_epi32(INT32_MIN))));
     }
   }
+  /// Lane l = m[idx_l & 7] with its sign flipped where bit 3 of idx_l is set (FP4 codes: a sign
+  /// bit over three magnitude bits); bits of idx above 3 ignored.
+  static vf lookup_sign_magnitude(vf m, vi idx) noexcept {
+    __m256i const sign = _mm256_and_si256(_mm256_slli_epi32(idx, 28), _mm256_set1_epi32(INT32_MIN));
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(m, idx), _mm256_castsi256_ps(sign));
+  }
   /// The table whose lookup_symmetric<B> gives t[i] * g (each product rounded once; NaN signs aside).
   template <int B>
   static table16 scale_symmetric(table16 const& t, vf g) noexcept {
