@@ -85,6 +85,21 @@ auto make_cache(int kv, int d, std::int64_t n, int residual, std::uint32_t seed)
   return cache;
 }
 
+/// Token-major keys and values (n tokens, kv heads, head_dim d) of N(0, 1) samples times `scale`,
+/// the keys drawn first, from `seed`.
+struct random_kv {
+  std::vector<float> k, v;
+};
+auto gaussian_kv(std::int64_t n, int kv, int d, std::uint32_t seed, float scale = 1.0f) -> random_kv {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> nd;
+  random_kv r{std::vector<float>(static_cast<std::size_t>(n) * static_cast<std::size_t>(kv * d)), {}};
+  r.v.resize(r.k.size());
+  for (auto& x : r.k) x = nd(gen) * scale;
+  for (auto& x : r.v) x = nd(gen) * scale;
+  return r;
+}
+
 auto queries(int q_heads, int d, std::uint32_t seed) -> std::vector<float> {
   std::mt19937 gen(seed);
   std::normal_distribution<float> nd;
@@ -260,11 +275,9 @@ TEST_CASE("SIMD attention: tq rows holding NaN or Inf as the reference", "[atten
   std::int64_t const n = 100;
   for (int d : {128, 96, 40}) {
     auto const q = queries(qh, d, 13);
-    std::mt19937 gen(17);
-    std::normal_distribution<float> nd;
-    std::vector<float> k(static_cast<std::size_t>(n) * kv * d), v(k.size());
-    for (auto& x : k) x = nd(gen);
-    for (auto& x : v) x = nd(gen);
+    auto kvd = gaussian_kv(n, kv, d, 17);
+    auto& k = kvd.k;
+    auto& v = kvd.v;
     k[static_cast<std::size_t>(40 * kv + 1) * d + 5] = inf_f;  // a poisoned key row: NaN logits
     v[static_cast<std::size_t>(70 * kv) * d + 9] = std::numeric_limits<float>::quiet_NaN();
     kvq::QuantizedKVCache<kvq::tq4> cache({2, kv, d, n});
@@ -388,11 +401,9 @@ TEST_CASE("SIMD attention: NaN and infinite logits as the reference", "[attentio
       INFO(qh << " query heads");
       auto q = queries(qh, d, 3);
       for (auto& x : q) x = std::fabs(x);  // positive channels: the sign of an infinite key decides the logit
-      std::mt19937 gen(11);
-      std::normal_distribution<float> nd;
-      std::vector<float> k(static_cast<std::size_t>(n) * kv * d), v(k.size());
-      for (auto& x : k) x = nd(gen);
-      for (auto& x : v) x = nd(gen);
+      auto kvd = gaussian_kv(n, kv, d, 11);
+      auto& k = kvd.k;
+      auto& v = kvd.v;
       k[static_cast<std::size_t>(40 * kv + 1) * d + 5] = poison;  // token 40, kv head 1
       kvq::QuantizedKVCache<kvq::f32_codec> cache({2, kv, d, n});
       cache.append(1, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
@@ -410,11 +421,9 @@ TEST_CASE("SIMD attention: fp8 with a scale, and E5M2 infinities", "[attention_k
   int const d = 128, kv = 2, qh = 8;
   std::int64_t const n = 90;
   auto const q = queries(qh, d, 21);
-  std::mt19937 gen(5);
-  std::normal_distribution<float> nd;
-  std::vector<float> k(static_cast<std::size_t>(n) * kv * d), v(k.size());
-  for (auto& x : k) x = nd(gen) * 3.0f;
-  for (auto& x : v) x = nd(gen) * 3.0f;
+  auto kvd = gaussian_kv(n, kv, d, 5, 3.0f);
+  auto& k = kvd.k;
+  auto& v = kvd.v;
   auto run = [&](auto tag, float scale, kvq::fp8_overflow overflow, std::string const& what) {
     using C = decltype(tag);
     typename kvq::QuantizedKVCache<C>::options o;
@@ -446,11 +455,9 @@ TEST_CASE("SIMD attention: FP4 rows with a scale, NaN and Inf as the reference",
   std::int64_t const n = 100;
   for (int d : {128, 96, 40}) {
     auto const q = queries(qh, d, 23);
-    std::mt19937 gen(29);
-    std::normal_distribution<float> nd;
-    std::vector<float> k(static_cast<std::size_t>(n) * kv * d), v(k.size());
-    for (auto& x : k) x = nd(gen);
-    for (auto& x : v) x = nd(gen);
+    auto kvd = gaussian_kv(n, kv, d, 29);
+    auto& k = kvd.k;
+    auto& v = kvd.v;
     auto run = [&](auto tag, float scale, std::string const& what) {
       using C = decltype(tag);
       typename kvq::QuantizedKVCache<C>::options o;
