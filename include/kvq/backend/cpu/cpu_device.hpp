@@ -96,8 +96,10 @@ class cpu_device {
         for (int j = 0; j < a.count / g; ++j) {
           for (int h0 = 0; h0 < a.kv_heads; h0 += block) {
             int const nh = std::min(block, a.kv_heads - h0);
-            for (int t = 0; t < g; ++t)
+            for (int t = 0; t < g; ++t) {
+              prefetch_input_rows(a, input, j * g + t + 1, h0, nh);
               copy_token_rows(a, layer, input, j * g + t, h0, nh, scratch.row(t), std::ptrdiff_t{g} * d, rot);
+            }
             for (int k = 0; k < nh; ++k)
               encode_tile<C>(scratch.row(k * g), d, d, unit(layer, a, h0 + k, a.first + j), params);
           }
@@ -112,6 +114,7 @@ class cpu_device {
     for (int i = 0; i < a.count; ++i) {
       for (int h0 = 0; h0 < a.kv_heads; h0 += write_scratch::chunk) {
         int const nh = std::min(write_scratch::chunk, a.kv_heads - h0);
+        prefetch_input_rows(a, input, i + 1, h0, nh);
         auto const [rows, stride] = token_rows_of(a, layer, input, i, h0, nh, scratch, rot);
         if (s.kernel == write_kernel::encode_rows) {
           if constexpr (C::layout == codec_layout::row)
@@ -243,6 +246,33 @@ class cpu_device {
               static_cast<std::ptrdiff_t>(a.src.head_stride)};
     copy_token_rows(a, layer, input, i, h0, n, scratch.rows(), a.head_dim, rot);
     return {scratch.rows(), a.head_dim};
+  }
+
+  /// Asks for the f32 input rows of batch row i, kv_heads [h0, h0 + n), to be brought into L2;
+  /// nothing for a row past the step, one from the residual or f16 / bf16 input. The write loops ask
+  /// one token ahead: a token's f32 rows of every kv_head span whole 4 KiB pages, where the hardware
+  /// prefetcher starts over (q4_0 / q8_0 f32 prefill appends measured 1.2-1.4x faster; f16 input,
+  /// half as many bytes a token, measured slower with it). Always inlined: GCC finds a function of
+  /// prefetches alone free of side effects and drops its calls.
+  KVQ_CPU_ALWAYS_INLINE static void prefetch_input_rows(kvq_write_args const& a, void const* input, int i, int h0,
+                                                        int n) noexcept {
+#if defined(__GNUC__)
+    if (i >= a.count || i < a.src.from_residual || a.src.type != kvq_elem_f32) return;
+    std::size_t const elem = sizeof(float);
+    std::size_t const token = static_cast<std::size_t>(a.src.first + i - a.src.from_residual);
+    auto const* first = static_cast<unsigned char const*>(input) + token * a.src.token_stride * elem;
+    std::size_t const row_bytes = static_cast<std::size_t>(a.head_dim) * elem;
+    for (int k = 0; k < n; ++k) {
+      unsigned char const* row = first + static_cast<std::size_t>(h0 + k) * a.src.head_stride * elem;
+      for (std::size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 2);
+    }
+#else
+    (void)a;
+    (void)input;
+    (void)i;
+    (void)h0;
+    (void)n;
+#endif
   }
 
   /// Batch row i of kv_heads [h0, h0 + n) as f32 rows into out + k * out_stride (see kvq_source): a

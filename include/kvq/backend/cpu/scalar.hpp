@@ -15,6 +15,17 @@
 #include "../../detail/numeric.h"
 #include "../../detail/rotation.h"
 
+// Kernels whose register arrays must stay in registers force their inner steps inline (GCC's size
+// heuristics may decline them, and below -O3 it does not unroll their loops), as do helpers whose
+// only effect GCC does not count as one (prefetches).
+#if !defined(KVQ_CPU_ALWAYS_INLINE)
+#  if defined(__GNUC__)
+#    define KVQ_CPU_ALWAYS_INLINE __attribute__((always_inline))
+#  else
+#    define KVQ_CPU_ALWAYS_INLINE
+#  endif
+#endif
+
 KVQ_NAMESPACE_BEGIN
 namespace cpu_kernels {
 

@@ -39,16 +39,6 @@
 #include "../../detail/rotation.h"
 #include "scalar.hpp"
 
-// Kernels whose register arrays must stay in registers force their inner steps inline: GCC's size
-// heuristics may decline them, and below -O3 it does not unroll their loops.
-#if !defined(KVQ_CPU_ALWAYS_INLINE)
-#  if defined(__GNUC__)
-#    define KVQ_CPU_ALWAYS_INLINE __attribute__((always_inline))
-#  else
-#    define KVQ_CPU_ALWAYS_INLINE
-#  endif
-#endif
-
 KVQ_NAMESPACE_BEGIN
 namespace cpu_kernels {
 namespace simd {
