@@ -251,7 +251,8 @@ class cpu_device {
   /// Asks for the f32 input rows of batch row i, kv_heads [h0, h0 + n), to be brought into L2;
   /// nothing for a row past the step, one from the residual or f16 / bf16 input. The write loops ask
   /// one token ahead: a token's f32 rows of every kv_head span whole 4 KiB pages, where the hardware
-  /// prefetcher starts over (q4_0 / q8_0 f32 prefill appends measured 1.2-1.4x faster; f16 input,
+  /// prefetcher starts over (q4_0 / q8_0 f32 prefill appends measured 1.1-1.6x faster with the
+  /// AVX-512 kernels, unchanged with the compute-bound AVX2 ones; f16 input,
   /// half as many bytes a token, measured slower with it). Always inlined: GCC finds a function of
   /// prefetches alone free of side effects and drops its calls.
   KVQ_CPU_ALWAYS_INLINE static void prefetch_input_rows(kvq_write_args const& a, void const* input, int i, int h0,
