@@ -110,7 +110,8 @@ void for_each_isa(F&& f) {
 // -------------------------------------------------------------------------------------------------
 // Inputs
 
-constexpr int head_dims[] = {1, 8, 32, 64, 80, 96, 100, 128, 256};
+// 512 and 1024: rows of several batches of whole blocks each (the encoders' uniform batches).
+constexpr int head_dims[] = {1, 8, 32, 64, 80, 96, 100, 128, 256, 512, 1024};
 
 auto from_bits(u32 u) -> float { return std::bit_cast<float>(u); }
 

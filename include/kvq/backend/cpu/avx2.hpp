@@ -356,7 +356,7 @@ struct ops {
   }
   /// Lane i = the largest lane of v[i] (signed): pairs of 32-bit lanes, then of 64-bit lanes,
   /// then the two 128-bit halves.
-  static vi max_lanes_i(vi const* v) noexcept {
+  KVQ_CPU_ALWAYS_INLINE static vi max_lanes_i(vi const* v) noexcept {
     vi t[4];
     for (int i = 0; i < 4; ++i)
       t[i] = _mm256_max_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]),

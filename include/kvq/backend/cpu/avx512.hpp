@@ -367,7 +367,7 @@ struct ops {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
   }
   /// Lane i = the largest lane of v[i] (signed; the tree of reduce_lanes with max).
-  static vi max_lanes_i(vi const* v) noexcept {
+  KVQ_CPU_ALWAYS_INLINE static vi max_lanes_i(vi const* v) noexcept {
     vi t[8], u[4];
     for (int i = 0; i < 8; ++i)
       t[i] = _mm512_max_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
