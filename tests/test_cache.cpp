@@ -22,7 +22,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <new>
 #include <random>
@@ -1373,6 +1375,50 @@ TEST_CASE("cache: the allocator hook sees every allocation and deallocation", "[
     }
   }
 }
+
+#if defined(__linux__)
+/// The VmFlags line of the mapping of this process that holds address `a` ("" when none does).
+std::string vm_flags_at(std::uintptr_t a) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;  // a mapping's first line: "lo-hi perms offset dev inode path"
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2) {
+      inside = lo <= a && a < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line + " ";
+    }
+  }
+  return "";
+}
+
+TEST_CASE("cache: layers of 2 MiB and more are advised for transparent huge pages", "[cache][memory]") {
+  // Where the kernel has transparent huge pages, madvise(MADV_HUGEPAGE) marks the range "hg".
+  bool const thp = std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled").good();
+  std::uintptr_t const huge = std::uintptr_t{2} << 20;
+  SECTION("new/delete memory: the layer starts on a huge page and is advised as a whole") {
+    // 2 layers of 8 kv_heads x 128 x 4096 tokens of q8_0 keys and values: 8.5 MiB each.
+    cache_of<kvq::q8_0> c({2, 8, 128, 4096});
+    for (int l = 0; l < 2; ++l) {
+      auto const base = reinterpret_cast<std::uintptr_t>(c.key_storage(l, 0).units);
+      CHECK(base % huge == 0);
+      CHECK((vm_flags_at(base).find(" hg ") != std::string::npos) == thp);
+      CHECK((vm_flags_at(base + 3 * huge).find(" hg ") != std::string::npos) == thp);
+    }
+  }
+  SECTION("a caller's resource: asked for the storage alignment only, its huge-page part advised") {
+    counting_resource res;
+    options_of<kvq::q8_0> o;
+    o.memory = &res;
+    cache_of<kvq::q8_0> c({1, 8, 128, 4096}, o);
+    REQUIRE(res.allocated.size() == 1);
+    CHECK(res.allocated[0].align == kvq::storage_alignment);
+    auto const inner = (reinterpret_cast<std::uintptr_t>(res.allocated[0].p) + huge - 1) / huge * huge;
+    CHECK((vm_flags_at(inner).find(" hg ") != std::string::npos) == thp);
+  }
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // 8. Errors and the strong guarantee
