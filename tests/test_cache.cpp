@@ -808,6 +808,66 @@ TEST_CASE("cache: storage views expose the documented layout", "[cache][layout]"
   check_storage_layout<q8k_q4v>(128, 112, 50);
 }
 
+/// Appends the same values as f16 and as their f32 widening, in the same chunks, and checks that
+/// every stored byte agrees: f16 rows (the f16 cache's, KIVI's residual and value window) take f16
+/// input by a direct copy, which must store what widening and narrowing would, NaN payloads
+/// (signalling ones quieted) and the f16 extremes included.
+template <class Choice>
+void check_f16_input_as_f32(int residual, int d, input_layout layout) {
+  INFO("R = " << residual << ", head_dim " << d << ", layout " << static_cast<int>(layout));
+  constexpr std::int64_t len = 150;
+  constexpr std::uint16_t specials[] = {0x7c01, 0xfd55, 0x7fff, 0x7e00, 0x7c00, 0xfc00,
+                                        0x7bff, 0xfbff, 0x0001, 0x83ff, 0x8000, 0x0400};
+  auto make = [&](std::uint32_t seed) {
+    kv_input<f16> x(len, 3, d, layout, seed);
+    for (std::int64_t t = 0; t < len; t += 7)  // a few tokens, channels and heads each
+      x.at(t, static_cast<int>(t % 3), static_cast<int>(t * 5 % d)).bits = specials[sz(t / 7) % std::size(specials)];
+    return x;
+  };
+  auto widen = [](kv_input<f16> const& x) {
+    kv_input<float> y(1, 1, 1, input_layout::dense, 0);
+    y.tokens = x.tokens;
+    y.heads = x.heads;
+    y.dim = x.dim;
+    y.ts = x.ts;
+    y.hs = x.hs;
+    y.data.resize(x.data.size());
+    for (std::size_t i = 0; i < x.data.size(); ++i) y.data[i] = kvq::detail::f16_bits_to_f32(x.data[i].bits);
+    return y;
+  };
+  kv_input<f16> const k16 = make(41), v16 = make(42);
+  kv_input<float> const k32 = widen(k16), v32 = widen(v16);
+  auto const o = make_options<Choice>(residual);
+  cache_of<Choice> a({1, 3, d, 256}, o), b({1, 3, d, 256}, o);
+  for (auto [first, n] : {std::pair{0, 5}, {5, 1}, {6, 70}, {76, 74}}) {
+    a.append(0, k16.view(first, n), v16.view(first, n));
+    b.append(0, k32.view(first, n), v32.view(first, n));
+  }
+  auto same = [d](auto const& x, auto const& y) {
+    REQUIRE(x.quantized_tokens == y.quantized_tokens);
+    REQUIRE(x.residual_tokens == y.residual_tokens);
+    bool ok = std::memcmp(x.units, y.units, sz(x.quantized_tokens / x.tokens_per_unit) * x.unit_bytes) == 0;
+    if (x.residual != nullptr)  // every row of the ring
+      ok = ok && std::memcmp(x.residual, y.residual, sz(x.residual_capacity * d) * sizeof(f16)) == 0;
+    return ok;
+  };
+  for (int h = 0; h < 3; ++h) {
+    INFO("head " << h);
+    CHECK(same(a.key_storage(0, h), b.key_storage(0, h)));
+    CHECK(same(a.value_storage(0, h), b.value_storage(0, h)));
+  }
+}
+
+TEST_CASE("cache: f16 input is stored as its f32 widening would be", "[cache][f16]") {
+  for (auto layout : {input_layout::dense, input_layout::padded, input_layout::head_major}) {
+    check_f16_input_as_f32<kvq::f16_codec>(128, 64, layout);
+    check_f16_input_as_f32<kvq::kv_codecs<kvq::f16_codec, kvq::q4_0>>(128, 96, layout);
+    check_f16_input_as_f32<kvq::kivi<4>>(64, 64, layout);
+    check_f16_input_as_f32<kvq::kivi<2>>(0, 32, layout);
+    check_f16_input_as_f32<int8k_kivi4v>(32, 40, layout);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. truncate
 

@@ -883,6 +883,29 @@ TEST_CASE("f16 and bf16 widen exactly on every ISA: all 65536 patterns", "[simd]
   for_each_isa([&]<class Isa>() { check_widen_all_patterns<Isa>(); });
 }
 
+TEST_CASE("f16 input is stored as widening and narrowing would: all 65536 patterns", "[simd][convert]") {
+  // The append path copies f16 input into f16 rows with copy_f16_quieted instead of widening it to
+  // f32 and narrowing it back: the bits must be those of both narrowings (NaNs quieted).
+  std::vector<kvq::f16> h(65536), got(65537);
+  for (u32 i = 0; i < 65536; ++i) h[i].bits = static_cast<u16>(i);
+  for (int offset : {0, 3}) {  // an odd start and length: the vector loop's tail
+    std::size_t const n = 65536 - static_cast<std::size_t>(offset);
+    got.assign(got.size(), kvq::f16{0x1234});
+    kvq::cpu_kernels::copy_f16_quieted(h.data() + offset, got.data(), static_cast<std::int64_t>(n));
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      float const x = kvq::detail::f16_bits_to_f32(h[i + static_cast<std::size_t>(offset)].bits);
+      u16 const want = kvq::detail::f32_to_f16_bits(x);
+      REQUIRE(want == kvq::detail::f32_to_f16_bits_satfinite(x));  // f16 values never saturate
+      if (got[i].bits != want && bad++ == 0)
+        UNSCOPED_INFO("f16 " << std::hex << h[i + static_cast<std::size_t>(offset)].bits << ": want " << want
+                             << ", got " << got[i].bits);
+    }
+    CHECK(bad == 0);
+    CHECK(got[n].bits == 0x1234);  // nothing written past n
+  }
+}
+
 TEST_CASE("f32 narrows to f16 and bf16 as numeric.h on every ISA", "[simd][convert]") {
   auto const x = f32_patterns(7);
   for_each_isa([&]<class Isa>() { check_narrow<Isa>(x); });

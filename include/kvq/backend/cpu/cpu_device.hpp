@@ -147,6 +147,10 @@ class cpu_device {
     for (int i = 0; i < a.count; ++i) {
       for (int h0 = 0; h0 < a.kv_heads; h0 += write_scratch::chunk) {
         int const nh = std::min(write_scratch::chunk, a.kv_heads - h0);
+        if (f16_input_as_stored<C>(s, rot, i)) {
+          copy_f16_input_rows(a, layer, input, s.kernel == write_kernel::store_f16_rows, i, h0, nh);
+          continue;
+        }
         prefetch_input_rows(a, input, i + 1, h0, nh);
         auto const [rows, stride] = token_rows_of(a, layer, input, i, h0, nh, scratch, rot);
         if (s.kernel == write_kernel::encode_rows) {
@@ -263,6 +267,33 @@ class cpu_device {
     alignas(64) float stack_[stack_floats];
     std::unique_ptr<float[]> heap_;
   };
+
+  /// True when batch row i of step s is f16 input that the step stores as f16 (the f16 cache's rows,
+  /// f16 residual rows), neither rotated nor centered: its bits are stored as they are, NaNs quieted,
+  /// which is what widening to f32 and narrowing back gives.
+  template <codec C>
+  static bool f16_input_as_stored(write_step const& s, row_rotation const* rot, int i) noexcept {
+    kvq_source const& src = s.args.src;
+    bool const f16_rows = (s.kernel == write_kernel::store_f16_rows && s.args.mode == kvq_write_rows) ||
+                          (s.kernel == write_kernel::encode_rows && std::is_same_v<C, f16_codec>);
+    return f16_rows && src.type == kvq_elem_f16 && rot == nullptr && src.mean == 0 && i >= src.from_residual;
+  }
+
+  /// Batch row i of kv_heads [h0, h0 + n) of f16 input into its f16 rows (f16_input_as_stored):
+  /// residual rows (first + i) % residual_rows when `residual`, else units first + i.
+  static void copy_f16_input_rows(kvq_write_args const& a, std::byte* layer, void const* input, bool residual, int i,
+                                  int h0, int n) noexcept {
+    int const d = a.head_dim;
+    std::int64_t const token = a.src.first + i - a.src.from_residual;
+    for (int k = 0; k < n; ++k) {
+      int const h = h0 + k;
+      f16 const* x = static_cast<f16 const*>(input) + token * static_cast<std::int64_t>(a.src.token_stride) +
+                     static_cast<std::int64_t>(h) * static_cast<std::int64_t>(a.src.head_stride);
+      f16* y = residual ? residual_row(layer, a.dst, h, (a.first + i) % a.dst.residual_rows, d)
+                        : reinterpret_cast<f16*>(unit(layer, a, h, a.first + i));
+      cpu_kernels::copy_f16_quieted(x, y, d);
+    }
+  }
 
   /// Batch row i of kv_heads [h0, h0 + n) as f32 rows (pointer, stride in floats): the f32 input
   /// itself when the rows need nothing done to them, else copy_token_rows into the scratch (n <= its

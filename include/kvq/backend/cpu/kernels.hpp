@@ -139,6 +139,12 @@ inline void convert_to_f16_satfinite(float const* src, f16* dst, std::int64_t n)
   best::convert_to_f16_satfinite(src, dst, n);
 }
 
+/// dst = src with every NaN quieted: f16 stored as widening to float and narrowing back would
+/// store it (scalar::copy_f16_quieted, the same loop on every instruction set).
+inline void copy_f16_quieted(f16 const* src, f16* dst, std::int64_t n) noexcept {
+  scalar::copy_f16_quieted(src, dst, n);
+}
+
 /// dst = the f32 value of convert_to_f16_satfinite(src), n elements (dst may be src).
 inline void round_to_f16_satfinite(float const* src, float* dst, std::int64_t n) noexcept {
   best::round_to_f16_satfinite(src, dst, n);
