@@ -417,6 +417,72 @@ TEST_CASE("SIMD attention: NaN and infinite logits as the reference", "[attentio
     }
 }
 
+TEST_CASE("SIMD attention: q4_0 with one query head per kv head, every block count", "[attention_kernels]") {
+  // One head per group takes the q4_0 kernels that apply each block's scale once per block
+  // (AVX-512: the scale after the block's dot, and folded into the probability); head_dim 32 to
+  // 256 covers the unrolled block counts and the general one.
+  std::uint32_t seed = 900;
+  for (int d : {32, 64, 96, 128, 256})
+    for (std::int64_t n : {std::int64_t{1}, std::int64_t{17}, std::int64_t{300}}) {
+      auto const cache = make_cache<kvq::q4_0>(2, d, n, 128, ++seed);
+      auto const q = queries(2, d, ++seed);
+      std::string const what = "q4_0, head_dim " + std::to_string(d) + ", 2/2 heads, " + std::to_string(n) + " tokens";
+      compare(cache, q, 2, 0, n, {}, 2e-5, what);
+      if (n == 300) compare(cache, q, 2, 5, 171, {}, 2e-5, what);
+    }
+}
+
+TEST_CASE("SIMD attention: q4_0 blocks whose scale overflows to infinity, as the reference", "[attention_kernels]") {
+  // An element of 1e6 makes its block's f16 scale -Inf while the other codes stay spread, so the
+  // reference's (n - 8) d holds +-Inf and NaN (n = 8): keys give infinite or NaN logits, values
+  // infinite or NaN output lanes, and the kernels must give the same NaN pattern; +Inf input too.
+  // The query and its negation: a logit taken as -Inf (weight 0) where the reference's is NaN
+  // would show in one of them.
+  for (int d : {64, 128})
+    for (float poison : {1e6f, -1e6f, inf_f})
+      for (float sign : {1.0f, -1.0f}) {
+        INFO("head_dim " << d << ", poison " << poison << ", query sign " << sign);
+        int const kv = 2;
+        std::int64_t const n = 100;
+        auto q = queries(kv, d, 31);
+        for (auto& x : q) x *= sign;
+        auto kvd = gaussian_kv(n, kv, d, 17);
+        std::vector<float> k = kvd.k;
+        k[static_cast<std::size_t>(40 * kv + 1) * d + 5] = poison;  // token 40, kv head 1
+        kvq::QuantizedKVCache<kvq::q4_0> keys({2, kv, d, n});
+        keys.append(1, kvq::token_major(k.data(), n, kv, d), kvq::token_major(kvd.v.data(), n, kv, d));
+        compare(keys, q, kv, 0, n, {}, 2e-5, "q4_0 key poisoned");
+        std::vector<float> v = kvd.v;
+        v[static_cast<std::size_t>(70 * kv) * d + 9] = poison;  // token 70, kv head 0
+        kvq::QuantizedKVCache<kvq::q4_0> values({2, kv, d, n});
+        values.append(1, kvq::token_major(kvd.k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
+        compare(values, q, kv, 0, n, {}, 2e-5, "q4_0 value poisoned");
+      }
+}
+
+TEST_CASE("SIMD attention: a crafted q4_0 key block with an infinite scale, as the reference", "[attention_kernels]") {
+  // Bytes a loaded image may hold: scale +Inf, channel 0's code 8 (the reference's 0 * Inf makes
+  // the logit NaN) and every other code one step against its query channel's sign, so each lane
+  // of a block's scaled dot is -Inf: a kernel keeping that logit would weigh the token 0 instead.
+  int const kv = 2;
+  std::int64_t const n = 100;
+  for (int d : {64, 128}) {
+    INFO("head_dim " << d);
+    auto const q = queries(kv, d, 41);
+    auto const kvd = gaussian_kv(n, kv, d, 43);
+    kvq::QuantizedKVCache<kvq::q4_0> cache({2, kv, d, n});
+    cache.append(1, kvq::token_major(kvd.k.data(), n, kv, d), kvq::token_major(kvd.v.data(), n, kv, d));
+    auto const st = cache.key_storage(1, 1);
+    auto* row = const_cast<std::byte*>(st.units) + 40 * st.unit_bytes;  // token 40, kv head 1, block 0
+    std::uint16_t const inf_scale = 0x7c00;
+    std::memcpy(row, &inf_scale, 2);
+    float const* qh = q.data() + d;  // query head 1
+    auto const code = [&](int c) { return c == 0 ? 8 : qh[c] > 0.0f ? 7 : 9; };
+    for (int i = 0; i < 16; ++i) row[2 + i] = static_cast<std::byte>(code(i) | code(i + 16) << 4);
+    compare(cache, q, kv, 0, n, {}, 2e-5, "q4_0 key block with an infinite scale");
+  }
+}
+
 TEST_CASE("SIMD attention: fp8 with a scale, and E5M2 infinities", "[attention_kernels]") {
   int const d = 128, kv = 2, qh = 8;
   std::int64_t const n = 90;

@@ -315,9 +315,6 @@ struct simd_attention {
   struct scale_prep {
     vf scale;
   };
-  struct scale8_prep {
-    vf scale, minus8;
-  };
 
   /// The f32 value of the f16 scale at p (hardware conversion).
   static float scale_at(std::uint8_t const* p) noexcept {
@@ -363,23 +360,24 @@ struct simd_attention {
   };
   /// q4_0 rows. With 16 lanes and a register table of 16 floats, prepare computes the block's
   /// sixteen values (n - 8) d (each product rounded once, as the codec's) and a load is one permute
-  /// of them by the nibbles; elsewhere (n - 8) d = n d - 8 d exactly, so one FMA rounds as the
-  /// codec's product does.
+  /// of them by the nibbles; elsewhere a load is the exact n - 8 times d, one rounding (the fused
+  /// n d - 8 d would round the same but give NaN where an infinite d gives +-Inf).
   struct q4_0_rows {
     std::uint8_t const* const* rows;
     static constexpr std::size_t bb = sizeof(detail::block_q4_0);
     static constexpr bool by_table = register_table16;
+    /// Lane n: n - 8, a code's value before scaling.
+    alignas(64) static constexpr float centred[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
     struct table_prep {
       vf values;  // lane n: (n - 8) d
     };
-    using prep = std::conditional_t<by_table, table_prep, scale8_prep>;
+    using prep = std::conditional_t<by_table, table_prep, scale_prep>;
     prep prepare(int t, int c) const noexcept {
       float const x = scale_at(rows[t] + bb * static_cast<std::size_t>(c / 32));
       if constexpr (by_table) {
-        alignas(64) static constexpr float centred[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
         return {V::mul_c(V::load(centred), V::set1(x))};
       } else {
-        return {V::set1(x), V::set1(-8.0f * x)};
+        return {V::set1(x)};
       }
     }
     vf load(int t, int c, prep const& pr) const noexcept {
@@ -389,7 +387,7 @@ struct simd_attention {
         return V::template lookup<4>(pr.values, j < 16 ? bytes : V::template srli<4>(bytes));
       } else {
         vi const nib = j < 16 ? V::and_i(bytes, V::set1_i(15)) : V::template srli<4>(bytes);
-        return V::fma(V::cvt_f(nib), pr.scale, pr.minus8);
+        return V::mul_c(V::cvt_f(V::sub_i(nib, V::set1_i(8))), pr.scale);
       }
     }
     float at(int t, int c) const noexcept {
@@ -809,10 +807,54 @@ struct simd_attention {
       }
   }
 
+  /// dot_one_head for q4_0 keys on 16 lanes (register_table16; d a multiple of 32): per block the
+  /// query against the centred codes n - 8 (exact table values), then one FMA by the block's scale,
+  /// and W tokens share one reduce_lanes. A NaN or infinite scale makes the logit NaN or infinite;
+  /// such groups of W tokens are recomputed by dot_one_head_exact, whose per-element products give
+  /// the reference's NaN or Inf.
+  template <int NB>
+  KVQ_CPU_NOINLINE static void dot_one_head_q4_0(float const* q, int d, q4_0_rows const& k, int n,
+                                                 float* logits) noexcept {
+    constexpr std::size_t bb = q4_0_rows::bb;
+    int const nb = NB > 0 ? NB : d / 32;  // NB > 0: d = 32 NB, the block loop unrolled
+    vf const table = V::load(q4_0_rows::centred);
+    for (int t0 = 0; t0 < n; t0 += W) {
+      int const nt = std::min(W, n - t0);
+      vf acc[std::size_t{W}];
+      for (int j = 0; j < W; ++j) {
+        std::uint8_t const* row = k.rows[t0 + (j < nt ? j : 0)];
+        vf a = V::set1(0.0f);
+        alignas(64) float sc[std::size_t{W}];
+        for (int b = 0; b < nb; ++b) {
+          std::uint8_t const* blk = row + bb * static_cast<std::size_t>(b);
+          vi const bytes = V::load_u8(blk + 2);
+          vf part = V::mul_c(V::load(q + 32 * b), V::template lookup<4>(table, bytes));
+          part = V::fma(V::load(q + 32 * b + 16), V::template lookup<4>(table, V::template srli<4>(bytes)), part);
+          if constexpr (NB > 0) {  // the scales of four blocks converted together
+            if (b % 4 == 0) V::store(sc, V::template f16_strided_hw<bb, std::min(NB, 4)>(blk));
+            a = V::fma(part, V::set1(sc[b % 4]), a);
+          } else {
+            a = V::fma(part, V::f16_broadcast_hw(blk), a);
+          }
+        }
+        acc[j] = a;
+      }
+      vf const sums = V::reduce_lanes(acc);
+      if ((V::mask_bits(V::le_f(V::abs(sums), V::set1(std::numeric_limits<float>::max()))) | ~((1u << nt) - 1u)) !=
+          ~0u) {
+        dot_one_head_exact(q, d, q4_0_rows{k.rows + t0}, nt, logits + t0);
+        continue;
+      }
+      alignas(64) float out[std::size_t{W}];
+      V::store(out, sums);
+      std::memcpy(logits + t0, out, sizeof(float) * static_cast<std::size_t>(nt));
+    }
+  }
+
   /// logits[t] = q . k_t for one head and tokens t < n, four tokens at a time, each key vector
-  /// decoded in registers (no f32 tile).
+  /// decoded in registers (no f32 tile), each product the codec's decoded value times the query's.
   template <class L>
-  static void dot_one_head(float const* q, int d, L const& k, int n, float* logits) noexcept {
+  static void dot_one_head_exact(float const* q, int d, L const& k, int n, float* logits) noexcept {
     using prep = decltype(k.prepare(0, 0));
     int t = 0;
     for (; t + 4 <= n; t += 4) {
@@ -842,6 +884,25 @@ struct simd_attention {
       for (int c = 0; c < d; ++c) s += q[c] * k.at(t, c);
       logits[t] = s;
     }
+  }
+
+  /// dot_one_head_exact, or dot_one_head_q4_0 where it applies.
+  template <class L>
+  static void dot_one_head(float const* q, int d, L const& k, int n, float* logits) noexcept {
+    if constexpr (std::is_same_v<L, q4_0_rows> && q4_0_rows::by_table) {
+      if (d % 32 == 0) {
+        if (d == 64)
+          dot_one_head_q4_0<2>(q, d, k, n, logits);
+        else if (d == 128)
+          dot_one_head_q4_0<4>(q, d, k, n, logits);
+        else if (d == 256)
+          dot_one_head_q4_0<8>(q, d, k, n, logits);
+        else
+          dot_one_head_q4_0<0>(q, d, k, n, logits);
+        return;
+      }
+    }
+    dot_one_head_exact(q, d, k, n, logits);
   }
 
   /// logits[h * T + off + t] = q_h . k_t for every head of the group and tokens t < n.
@@ -1345,6 +1406,42 @@ struct simd_attention {
       for (; h + 4 <= group; h += 4) heads.template operator()<4>(h);
     for (; h + 2 <= group; h += 2) heads.template operator()<2>(h);
     for (; h < group; ++h) heads.template operator()<1>(h);
+  }
+
+  /// o += sum_t p[t] v_t for one head's q4_0 value rows on 16 lanes (register_table16; d a
+  /// multiple of 32) with each block's scale folded into the probability: w = p[t] d_(t,b), then
+  /// o += w (n - 8) (the centred code exact in the register table), so a block's 32 codes cost one
+  /// load, one shift, two permutes and two FMAs. NaN and infinite scales give the reference's NaN
+  /// and Inf lanes: (p d)(n - 8) is NaN exactly where p ((n - 8) d) is, infinite where it is.
+  KVQ_CPU_NOINLINE static void accumulate_one_head_q4_0(float* o, float const* p, q4_0_rows const& v, int n,
+                                                        int d) noexcept {
+    constexpr std::size_t bb = q4_0_rows::bb;
+    constexpr int NB = 4;  // blocks per pass: 8 accumulators
+    vf const table = V::load(q4_0_rows::centred);
+    auto const pass = [&]<int K>(int b0) KVQ_CPU_ALWAYS_INLINE {
+      vf acc[std::size_t{K}][2];
+      for (int b = 0; b < K; ++b)
+        for (int u = 0; u < 2; ++u) acc[b][u] = V::load(o + 32 * (b0 + b) + 16 * u);
+      for (int t = 0; t < n; ++t) {
+        alignas(64) float w4[std::size_t{W}];
+        if constexpr (K == 4)  // the four weights computed together
+          V::store(w4, V::mul_c(V::set1(p[t]),
+                                V::template f16_strided_hw<bb, 4>(v.rows[t] + bb * static_cast<std::size_t>(b0))));
+        for (int b = 0; b < K; ++b) {
+          std::uint8_t const* blk = v.rows[t] + bb * static_cast<std::size_t>(b0 + b);
+          vi const bytes = V::load_u8(blk + 2);
+          vf const w = V::set1(K == 4 ? w4[b] : p[t] * scale_at(blk));
+          acc[b][0] = V::fma(w, V::template lookup<4>(table, bytes), acc[b][0]);
+          acc[b][1] = V::fma(w, V::template lookup<4>(table, V::template srli<4>(bytes)), acc[b][1]);
+        }
+      }
+      for (int b = 0; b < K; ++b)
+        for (int u = 0; u < 2; ++u) V::store(o + 32 * (b0 + b) + 16 * u, acc[b][u]);
+    };
+    int const nb = d / 32;
+    int b = 0;
+    for (; b + NB <= nb; b += NB) pass.template operator()<NB>(b);
+    for (; b < nb; ++b) pass.template operator()<1>(b);
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -1965,6 +2062,11 @@ struct simd_attention {
           decode_rows<loader>(rows, m, d, s.dense.data());
           std::uint8_t const* ptrs[T];
           accumulate(state.out, d, group, s.probs.data(), first, rows_in(s.dense.data(), m, d, ptrs), m);
+        } else if constexpr (std::is_same_v<loader, q4_0_rows> && q4_0_rows::by_table) {
+          if (group == 1 && d % 32 == 0)
+            accumulate_one_head_q4_0(state.out, s.probs.data() + first, rows, m, d);
+          else
+            accumulate(state.out, d, group, s.probs.data(), first, rows, m);
         } else {
           accumulate(state.out, d, group, s.probs.data(), first, rows, m);
         }

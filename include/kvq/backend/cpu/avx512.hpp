@@ -381,6 +381,26 @@ struct ops {
   }
   /// f16 bits to float with F16C (NaN payloads are not preserved exactly).
   static float f16_scalar_hw(std::uint16_t h) noexcept { return _cvtsh_ss(h); }
+  /// Lanes l < N: the f16 at p + l * S as f32 (lanes from N on: lane 0's); reads only the bytes
+  /// p .. p + (N - 1) S + 1.
+  template <int S, int N>
+  static vf f16_strided_hw(std::uint8_t const* p) noexcept {
+    static_assert(S % 2 == 0 && N >= 1 && (N - 1) * S + 2 <= 64, "f16_strided_hw: the words must lie in 64 bytes");
+    constexpr int words = (N - 1) * S / 2 + 1;
+    alignas(64) static constexpr std::int16_t idx[32] = {0 * S / 2,           1 * S / 2 * (N > 1), 2 * S / 2 * (N > 2),
+                                                         3 * S / 2 * (N > 3), 4 * S / 2 * (N > 4), 5 * S / 2 * (N > 5),
+                                                         6 * S / 2 * (N > 6), 7 * S / 2 * (N > 7)};
+    static_assert(N <= 8, "f16_strided_hw: at most 8 words");
+    __m512i const x = _mm512_maskz_loadu_epi16(static_cast<__mmask32>((std::uint64_t{1} << words) - 1), p);
+    __m512i const w = _mm512_permutexvar_epi16(_mm512_load_si512(idx), x);
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+  }
+  /// Every lane: the f16 at p as f32 (f16_scalar_hw's value, broadcast before the conversion).
+  static vf f16_broadcast_hw(std::uint8_t const* p) noexcept {
+    std::int16_t h;
+    std::memcpy(&h, p, 2);
+    return _mm512_cvtph_ps(_mm256_set1_epi16(h));
+  }
   /// Each lane rounded to f16 and back (RNE).
   KVQ_AVX512_IMM_BEGIN
   static vf round_f16(vf v) noexcept {
