@@ -114,15 +114,16 @@ auto output(kvq::attention_partial const& p) -> std::vector<float> {
   return out;
 }
 
-/// max over heads of ||a_h - b_h|| / max(||b_h||, 1e-30); NaN patterns must agree (else +Inf).
+/// max over heads of ||a_h - b_h|| / max(||b_h||, 1e-30) over the finite lanes of b; NaN lanes and
+/// infinite ones must agree (else +Inf).
 auto rel_error(std::vector<float> const& a, std::vector<float> const& b, int q_heads, int d) -> double {
   double worst = 0.0;
   for (int h = 0; h < q_heads; ++h) {
     double diff = 0.0, norm = 0.0;
     for (int c = 0; c < d; ++c) {
       std::size_t const i = static_cast<std::size_t>(h) * d + c;
-      if (std::isnan(a[i]) != std::isnan(b[i])) return inf_f;
-      if (std::isnan(a[i])) continue;
+      if (std::isnan(a[i]) != std::isnan(b[i]) || (std::isinf(b[i]) && a[i] != b[i])) return inf_f;
+      if (!std::isfinite(b[i])) continue;
       diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
       norm += static_cast<double>(b[i]) * b[i];
     }
@@ -417,19 +418,97 @@ TEST_CASE("SIMD attention: NaN and infinite logits as the reference", "[attentio
     }
 }
 
-TEST_CASE("SIMD attention: q4_0 with one query head per kv head, every block count", "[attention_kernels]") {
-  // One head per group takes the q4_0 kernels that apply each block's scale once per block
-  // (AVX-512: the scale after the block's dot, and folded into the probability); head_dim 32 to
-  // 256 covers the unrolled block counts and the general one.
-  std::uint32_t seed = 900;
-  for (int d : {32, 64, 96, 128, 256})
+/// Every head_dim from 32 to 256 in steps of 32 with one query head per kv head.
+template <class Choice>
+void check_one_head_per_group(std::string const& name, int residual, std::uint32_t seed) {
+  for (int d : {32, 64, 96, 128, 160, 224, 256})
     for (std::int64_t n : {std::int64_t{1}, std::int64_t{17}, std::int64_t{300}}) {
-      auto const cache = make_cache<kvq::q4_0>(2, d, n, 128, ++seed);
+      auto const cache = make_cache<Choice>(2, d, n, residual, ++seed);
       auto const q = queries(2, d, ++seed);
-      std::string const what = "q4_0, head_dim " + std::to_string(d) + ", 2/2 heads, " + std::to_string(n) + " tokens";
+      std::string const what =
+          name + ", head_dim " + std::to_string(d) + ", 2/2 heads, " + std::to_string(n) + " tokens";
       compare(cache, q, 2, 0, n, {}, 2e-5, what);
       if (n == 300) compare(cache, q, 2, 5, 171, {}, 2e-5, what);
     }
+}
+
+TEST_CASE("SIMD attention: q4_0 with one query head per kv head, every block count", "[attention_kernels]") {
+  // One head per group takes the q4_0 kernels that apply each block's scale once per block
+  // (AVX-512: the scale after the block's dot, and folded into the probability); head_dim 32 to
+  // 256 covers the unrolled block counts, the general one and every remainder of four blocks.
+  check_one_head_per_group<kvq::q4_0>("q4_0", 128, 900);
+}
+
+TEST_CASE("SIMD attention: KIVI values with one query head per kv head, every group count", "[attention_kernels]") {
+  // One head per group takes the KIVI value kernel that folds each group's scale into the
+  // probability and sums its minimum apart (AVX-512), in passes of four groups and a remainder of
+  // one to three; residual 0 puts every row in codes.
+  check_one_head_per_group<kvq::kivi<4>>("kivi4", 0, 950);
+  check_one_head_per_group<kvq::kivi<2>>("kivi2", 0, 990);
+  check_one_head_per_group<kvq::kv_codecs<kvq::f16_codec, kvq::kivi_value<4>>>("f16 keys / kivi4 values", 32, 1030);
+}
+
+TEST_CASE("SIMD attention: KIVI value groups whose scale or minimum overflows to infinity, as the reference",
+          "[attention_kernels]") {
+  // 1e6 in a value row makes its group's f16 scale +Inf (and -1e6 its minimum -Inf as well), +Inf
+  // the scale NaN: the reference's q s + m is then +-Inf or NaN lane by lane, and the output lanes
+  // of that group must show the same NaN / Inf pattern whatever the kernel's order of products.
+  int const kv = 2;
+  std::int64_t const n = 100;
+  for (int d : {64, 128})
+    for (float poison : {1e6f, -1e6f, inf_f, -inf_f})
+      for (int layer_heads : {2, 8}) {  // one head per kv head, and four
+        INFO("head_dim " << d << ", poison " << poison << ", " << layer_heads << " query heads");
+        auto const q = queries(layer_heads, d, 51);
+        auto kvd = gaussian_kv(n, kv, d, 53);
+        kvd.v[static_cast<std::size_t>(70 * kv) * d + 9] = poison;  // token 70, kv head 0
+        kvq::QuantizedKVCache<kvq::kivi<4>>::options o;
+        o.residual = 0;
+        kvq::QuantizedKVCache<kvq::kivi<4>> c4({2, kv, d, n}, o);
+        c4.append(1, kvq::token_major(kvd.k.data(), n, kv, d), kvq::token_major(kvd.v.data(), n, kv, d));
+        compare(c4, q, layer_heads, 0, n, {}, 2e-5, "kivi4 value poisoned");
+        kvq::QuantizedKVCache<kvq::kivi<2>>::options o2;
+        o2.residual = 0;
+        kvq::QuantizedKVCache<kvq::kivi<2>> c2({2, kv, d, n}, o2);
+        c2.append(1, kvq::token_major(kvd.k.data(), n, kv, d), kvq::token_major(kvd.v.data(), n, kv, d));
+        compare(c2, q, layer_heads, 0, n, {}, 2e-5, "kivi2 value poisoned");
+      }
+}
+
+TEST_CASE("SIMD attention: crafted KIVI value groups with an infinite scale or minimum, as the reference",
+          "[attention_kernels]") {
+  // Bytes a loaded image may hold: a group whose scale is +Inf (code 0 gives NaN, every other
+  // code +Inf) or whose minimum is -Inf (every value -Inf), in a row every head attends.
+  int const kv = 2;
+  std::int64_t const n = 100;
+  auto const craft = [&](auto& cache, int d, std::uint16_t scale, std::uint16_t min, int group) {
+    auto const st = cache.value_storage(1, 0);
+    std::size_t const block = st.unit_bytes / static_cast<std::size_t>(d / 32);  // 32 channels per group
+    auto* blk = const_cast<std::byte*>(st.units) + 40 * st.unit_bytes + block * static_cast<std::size_t>(group);
+    std::memcpy(blk, &scale, 2);
+    std::memcpy(blk + 2, &min, 2);
+  };
+  for (int d : {64, 160})
+    for (int layer_heads : {2, 8})
+      for (int which = 0; which < 2; ++which) {
+        INFO("head_dim " << d << ", " << layer_heads << " query heads, " << (which == 0 ? "scale +Inf" : "min -Inf"));
+        auto const q = queries(layer_heads, d, 61);
+        auto const kvd = gaussian_kv(n, kv, d, 63);
+        std::uint16_t const scale = which == 0 ? std::uint16_t{0x7c00} : std::uint16_t{0x3c00};  // +Inf or 1
+        std::uint16_t const min = which == 0 ? std::uint16_t{0xbc00} : std::uint16_t{0xfc00};    // -1 or -Inf
+        kvq::QuantizedKVCache<kvq::kivi<4>>::options o;
+        o.residual = 0;
+        kvq::QuantizedKVCache<kvq::kivi<4>> c4({2, kv, d, n}, o);
+        c4.append(1, kvq::token_major(kvd.k.data(), n, kv, d), kvq::token_major(kvd.v.data(), n, kv, d));
+        craft(c4, d, scale, min, d / 32 - 1);
+        compare(c4, q, layer_heads, 0, n, {}, 2e-5, "kivi4 crafted value group");
+        kvq::QuantizedKVCache<kvq::kivi<2>>::options o2;
+        o2.residual = 0;
+        kvq::QuantizedKVCache<kvq::kivi<2>> c2({2, kv, d, n}, o2);
+        c2.append(1, kvq::token_major(kvd.k.data(), n, kv, d), kvq::token_major(kvd.v.data(), n, kv, d));
+        craft(c2, d, scale, min, 0);
+        compare(c2, q, layer_heads, 0, n, {}, 2e-5, "kivi2 crafted value group");
+      }
 }
 
 TEST_CASE("SIMD attention: q4_0 blocks whose scale overflows to infinity, as the reference", "[attention_kernels]") {

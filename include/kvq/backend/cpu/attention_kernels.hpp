@@ -1444,6 +1444,73 @@ struct simd_attention {
     for (; b < nb; ++b) pass.template operator()<1>(b);
   }
 
+  /// o += sum_t p[t] v_t for one head's KIVI value rows of 4 or 2 bits on 16 lanes
+  /// (register_table16; groups of 32 channels, d a multiple of 32) with each group's scale folded
+  /// into the probability and its minimum summed apart: o += (p s) q over the codes q, then
+  /// o += sum_t p m once per tile. A NaN or infinite scale or minimum gives the reference's NaN
+  /// and Inf lanes (p s q is NaN where p (q s) is; an infinite p m makes the whole group infinite
+  /// or NaN, as an infinite m makes each of its values).
+  template <int B>
+  KVQ_CPU_NOINLINE static void accumulate_one_head_kivi(float* o, float const* p, kivi_value_rows<B> const& v, int n,
+                                                        int d) noexcept {
+    constexpr std::size_t bb = detail::kivi_group_header_bytes + 32 * B / 8;
+    constexpr int NB = 4;  // groups per pass: 8 accumulators
+    alignas(64) static constexpr float codes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vf const table = V::load(codes);
+    auto const pass = [&]<int K>(int b0) KVQ_CPU_ALWAYS_INLINE {
+      // B = 4: acc[b][0] holds the group's even channels (low nibbles), acc[b][1] the odd ones;
+      // B = 2: channels 0 .. 15 and 16 .. 31 in order.
+      vf acc[std::size_t{K}][2];
+      for (int b = 0; b < K; ++b) acc[b][0] = acc[b][1] = V::set1(0.0f);
+      vf pm = V::set1(0.0f);  // lane b: sum_t p m of group b0 + b
+      for (int t = 0; t < n; ++t) {
+        std::uint8_t const* row = v.rows[t] + bb * static_cast<std::size_t>(b0);
+        vf const pt = V::set1(p[t]);
+        alignas(64) float w[std::size_t{W}];
+        V::store(w, V::mul_c(pt, V::template f16_strided_hw<bb, K>(row)));
+        pm = V::fma(pt, V::template f16_strided_hw<bb, K>(row + 2), pm);
+        for (int b = 0; b < K; ++b) {
+          std::uint8_t const* blk = row + bb * static_cast<std::size_t>(b) + detail::kivi_group_header_bytes;
+          vf const wb = V::set1(w[b]);
+          if constexpr (B == 4) {
+            vi const bytes = V::load_u8(blk);
+            acc[b][0] = V::fma(wb, V::template lookup<4>(table, bytes), acc[b][0]);
+            acc[b][1] = V::fma(wb, V::template lookup<4>(table, V::template srli<4>(bytes)), acc[b][1]);
+          } else {
+            acc[b][0] = V::fma(wb, V::cvt_f(V::template load_codes<2>(blk)), acc[b][0]);
+            acc[b][1] = V::fma(wb, V::cvt_f(V::template load_codes<2>(blk + 4)), acc[b][1]);
+          }
+        }
+      }
+      alignas(64) float bias[std::size_t{W}];
+      V::store(bias, pm);
+      for (int b = 0; b < K; ++b) {
+        float* const oc = o + 32 * (b0 + b);
+        vf const mb = V::set1(bias[b]);
+        vf lo = acc[b][0], hi = acc[b][1];
+        if constexpr (B == 4) V::interleave(acc[b][0], acc[b][1], lo, hi);
+        V::store(oc, V::add(V::load(oc), V::add(lo, mb)));
+        V::store(oc + W, V::add(V::load(oc + W), V::add(hi, mb)));
+      }
+    };
+    int const nb = d / 32;
+    int b = 0;
+    for (; b + NB <= nb; b += NB) pass.template operator()<NB>(b);
+    switch (nb - b) {
+      case 3:
+        pass.template operator()<3>(b);
+        break;
+      case 2:
+        pass.template operator()<2>(b);
+        break;
+      case 1:
+        pass.template operator()<1>(b);
+        break;
+      default:
+        break;
+    }
+  }
+
   // ---------------------------------------------------------------------------------------------
   // p . V on integers (probability_precision::i8)
 
@@ -2065,6 +2132,12 @@ struct simd_attention {
         } else if constexpr (std::is_same_v<loader, q4_0_rows> && q4_0_rows::by_table) {
           if (group == 1 && d % 32 == 0)
             accumulate_one_head_q4_0(state.out, s.probs.data() + first, rows, m, d);
+          else
+            accumulate(state.out, d, group, s.probs.data(), first, rows, m);
+        } else if constexpr ((std::is_same_v<loader, kivi_value_rows<4>> ||
+                              std::is_same_v<loader, kivi_value_rows<2>>)&&register_table16) {
+          if (group == 1 && d % 32 == 0)
+            accumulate_one_head_kivi(state.out, s.probs.data() + first, rows, m, d);
           else
             accumulate(state.out, d, group, s.probs.data(), first, rows, m);
         } else {
