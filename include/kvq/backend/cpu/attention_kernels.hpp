@@ -1116,6 +1116,19 @@ struct simd_attention {
         }
         continue;
       }
+      if constexpr (KC::bits == 2 && KC::group % (4 * W) == 0) {  // W bytes of a channel: 4W tokens
+        if (nh <= 2) {
+          for (int j = first / (4 * W); j * 4 * W < first + n; ++j) {
+            vf acc[16];
+            if (nh == 1)
+              kivi_crumb_dots<KC, 1>(codes + j * W, d, scaled, bias, acc);
+            else
+              kivi_crumb_dots<KC, 2>(codes + j * W, d, scaled, bias, acc);
+            scatter(acc, 4, [&](int r, int l) { return j * 4 * W + 4 * l + r; });
+          }
+          continue;
+        }
+      }
       for (int j = j0; j < j1;) {
         int const nj = j + 1 < j1 ? 2 : 1;
         vf acc[8];
@@ -1179,6 +1192,40 @@ struct simd_attention {
         vf a = acc[0][odd][i];
         for (int p = 1; p < P; ++p) a = V::add(a, acc[p][odd][i]);
         out[odd * 4 + i] = a;
+      }
+  }
+
+  /// kivi_chunk_dots for 2-bit codes and one or two heads, 4W tokens at a time: channel c's W code
+  /// bytes at cj + c · code_bytes hold tokens 4l .. 4l + 3 in lane l (bits 0-1 .. 6-7), so
+  /// out[r * 4 + i] gets tokens 4l + r, without unpacking the codes in order.
+  template <class KC, int NH>
+  static void kivi_crumb_dots(std::uint8_t const* cj, int d, float const* scaled, float const* bias, vf* out) noexcept {
+    static_assert(NH <= 2, "kivi_crumb_dots: at most two heads (4 x NH x P accumulators)");
+    constexpr int code_bytes = KC::code_bytes;
+    constexpr int P = NH == 1 ? 2 : 1;
+    vf acc[std::size_t{P}][4][std::size_t{NH}];
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < 4; ++r)
+        for (int i = 0; i < NH; ++i) acc[p][r][i] = V::set1(p == 0 ? bias[i] : 0.0f);
+    auto const step = [&](int c, vf(&a)[4][std::size_t{NH}]) {
+      vi const b = V::load_u8(cj + static_cast<std::ptrdiff_t>(c) * code_bytes);
+      vi const three = V::set1_i(3);
+      vf const x[4] = {V::cvt_f(V::and_i(b, three)), V::cvt_f(V::and_i(V::template srli<2>(b), three)),
+                       V::cvt_f(V::and_i(V::template srli<4>(b), three)), V::cvt_f(V::template srli<6>(b))};
+      for (int i = 0; i < NH; ++i) {
+        vf const s = V::set1(scaled[i * d + c]);
+        for (int r = 0; r < 4; ++r) a[r][i] = V::fma(x[r], s, a[r][i]);
+      }
+    };
+    int c = 0;
+    for (; c + P <= d; c += P)
+      for (int p = 0; p < P; ++p) step(c + p, acc[p]);
+    for (; c < d; ++c) step(c, acc[0]);
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < NH; ++i) {
+        vf a = acc[0][r][i];
+        for (int p = 1; p < P; ++p) a = V::add(a, acc[p][r][i]);
+        out[r * 4 + i] = a;
       }
   }
 
@@ -1408,107 +1455,161 @@ struct simd_attention {
     for (; h < group; ++h) heads.template operator()<1>(h);
   }
 
-  /// o += sum_t p[t] v_t for one head's q4_0 value rows on 16 lanes (register_table16; d a
-  /// multiple of 32) with each block's scale folded into the probability: w = p[t] d_(t,b), then
-  /// o += w (n - 8) (the centred code exact in the register table), so a block's 32 codes cost one
-  /// load, one shift, two permutes and two FMAs. NaN and infinite scales give the reference's NaN
-  /// and Inf lanes: (p d)(n - 8) is NaN exactly where p ((n - 8) d) is, infinite where it is.
+  /// Lanes b < K: the f16 at p + b S as f32 (policies with f16_strided_hw, the 16-lane ones).
+  template <std::size_t S, int K>
+  static vf f16_strided(std::uint8_t const* p) noexcept {
+    return V::template f16_strided_hw<static_cast<int>(S), K>(p);
+  }
+
+  /// Calls pass.template operator()<K>(b) over nb blocks: K = NB per pass, then the 1 .. NB - 1 left.
+  template <int NB, class Pass>
+  static void block_passes(int nb, Pass const& pass) noexcept {
+    int b = 0;
+    for (; b + NB <= nb; b += NB) pass.template operator()<NB>(b);
+    if constexpr (NB > 3)
+      if (nb - b == 3) return pass.template operator()<3>(b);
+    if constexpr (NB > 2)
+      if (nb - b == 2) return pass.template operator()<2>(b);
+    if (nb - b == 1) pass.template operator()<1>(b);
+  }
+
+  /// o += sum_t p[t] v_t for one head's q4_0 value rows (d a multiple of 32) with each block's
+  /// scale folded into the probability: w = p[t] d_(t,b), then o += w (n - 8), so a block's codes
+  /// cost a load, the exact n - 8 (one permute of the register table on 16 lanes; mask or shift,
+  /// subtract and convert elsewhere) and one FMA per vector. NaN and infinite scales give the
+  /// reference's NaN and Inf lanes: (p d)(n - 8) is NaN exactly where p ((n - 8) d) is, infinite
+  /// where it is.
   KVQ_CPU_NOINLINE static void accumulate_one_head_q4_0(float* o, float const* p, q4_0_rows const& v, int n,
                                                         int d) noexcept {
     constexpr std::size_t bb = q4_0_rows::bb;
-    constexpr int NB = 4;  // blocks per pass: 8 accumulators
+    constexpr int U = 16 / W;                         // vectors per half block (16 codes)
+    constexpr int NB = W == 16 ? 4 : W == 8 ? 2 : 3;  // blocks per pass: 8 accumulators (12 on 4 lanes)
     vf const table = V::load(q4_0_rows::centred);
-    auto const pass = [&]<int K>(int b0) KVQ_CPU_ALWAYS_INLINE {
-      vf acc[std::size_t{K}][2];
+    // n - 8 of the nibbles in the low 4 bits of each lane (the high bits: zero, or ignored by the permute).
+    auto const centred = [&](vi nibbles) KVQ_CPU_ALWAYS_INLINE {
+      if constexpr (q4_0_rows::by_table)
+        return V::template lookup<4>(table, nibbles);
+      else
+        return V::cvt_f(V::sub_i(nibbles, V::set1_i(8)));
+    };
+    block_passes<NB>(d / 32, [&]<int K>(int b0) KVQ_CPU_ALWAYS_INLINE {
+      vf acc[std::size_t{K}][std::size_t{2 * U}];  // (blocks, low nibbles then high ones)
       for (int b = 0; b < K; ++b)
-        for (int u = 0; u < 2; ++u) acc[b][u] = V::load(o + 32 * (b0 + b) + 16 * u);
+        for (int u = 0; u < 2 * U; ++u) acc[b][u] = V::load(o + 32 * (b0 + b) + W * u);
       for (int t = 0; t < n; ++t) {
-        alignas(64) float w4[std::size_t{W}];
-        if constexpr (K == 4)  // the four weights computed together
-          V::store(w4, V::mul_c(V::set1(p[t]),
-                                V::template f16_strided_hw<bb, 4>(v.rows[t] + bb * static_cast<std::size_t>(b0))));
+        std::uint8_t const* row = v.rows[t] + bb * static_cast<std::size_t>(b0);
+        alignas(64) float w[std::size_t{W >= K ? W : K}];
+        if constexpr (q4_0_rows::by_table && K > 1)  // the K weights computed together
+          V::store(w, V::mul_c(V::set1(p[t]), f16_strided<bb, K>(row)));
+        else
+          for (int b = 0; b < K; ++b) w[b] = p[t] * scale_at(row + bb * static_cast<std::size_t>(b));
         for (int b = 0; b < K; ++b) {
-          std::uint8_t const* blk = v.rows[t] + bb * static_cast<std::size_t>(b0 + b);
-          vi const bytes = V::load_u8(blk + 2);
-          vf const w = V::set1(K == 4 ? w4[b] : p[t] * scale_at(blk));
-          acc[b][0] = V::fma(w, V::template lookup<4>(table, bytes), acc[b][0]);
-          acc[b][1] = V::fma(w, V::template lookup<4>(table, V::template srli<4>(bytes)), acc[b][1]);
+          std::uint8_t const* codes = row + bb * static_cast<std::size_t>(b) + 2;
+          vf const wb = V::set1(w[b]);
+          for (int u = 0; u < U; ++u) {
+            vi const bytes = V::load_u8(codes + W * u);
+            acc[b][u] = V::fma(wb, centred(q4_0_rows::by_table ? bytes : V::and_i(bytes, V::set1_i(15))), acc[b][u]);
+            acc[b][U + u] = V::fma(wb, centred(V::template srli<4>(bytes)), acc[b][U + u]);
+          }
         }
       }
       for (int b = 0; b < K; ++b)
-        for (int u = 0; u < 2; ++u) V::store(o + 32 * (b0 + b) + 16 * u, acc[b][u]);
-    };
-    int const nb = d / 32;
-    int b = 0;
-    for (; b + NB <= nb; b += NB) pass.template operator()<NB>(b);
-    for (; b < nb; ++b) pass.template operator()<1>(b);
+        for (int u = 0; u < 2 * U; ++u) V::store(o + 32 * (b0 + b) + W * u, acc[b][u]);
+    });
   }
 
-  /// o += sum_t p[t] v_t for one head's KIVI value rows of 4 or 2 bits on 16 lanes
-  /// (register_table16; groups of 32 channels, d a multiple of 32) with each group's scale folded
-  /// into the probability and its minimum summed apart: o += (p s) q over the codes q, then
-  /// o += sum_t p m once per tile. A NaN or infinite scale or minimum gives the reference's NaN
-  /// and Inf lanes (p s q is NaN where p (q s) is; an infinite p m makes the whole group infinite
-  /// or NaN, as an infinite m makes each of its values).
+  /// o += sum_t p[t] v_t for one head's KIVI value rows of 4 or 2 bits (groups of 32 channels, d a
+  /// multiple of 32) with each group's scale folded into the probability and its minimum summed
+  /// apart: o += (p s) q over the codes q, then o += sum_t p m once per tile. A NaN or infinite
+  /// scale or minimum gives the reference's NaN and Inf lanes (p s q is NaN where p (q s) is; an
+  /// infinite p m makes the whole group infinite or NaN, as an infinite m makes each of its values).
   template <int B>
   KVQ_CPU_NOINLINE static void accumulate_one_head_kivi(float* o, float const* p, kivi_value_rows<B> const& v, int n,
                                                         int d) noexcept {
     constexpr std::size_t bb = detail::kivi_group_header_bytes + 32 * B / 8;
-    constexpr int NB = 4;  // groups per pass: 8 accumulators
+    // B = 4: W bytes give 2W channels, even and odd apart; B = 2 on at most 8 lanes ("crumbs"): W
+    // bytes give 4W channels, apart by residue mod 4; B = 2 on 16 lanes: W codes per vector.
+    constexpr bool crumbs = B == 2 && W <= 8;
+    constexpr int U = B == 4 ? 16 / W : crumbs ? 8 / W : 32 / W;  // vectors of codes per group
+    constexpr int NB = W == 16 ? 4 : W == 8 ? 2 : 3;
     alignas(64) static constexpr float codes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     vf const table = V::load(codes);
-    auto const pass = [&]<int K>(int b0) KVQ_CPU_ALWAYS_INLINE {
-      // B = 4: acc[b][0] holds the group's even channels (low nibbles), acc[b][1] the odd ones;
-      // B = 2: channels 0 .. 15 and 16 .. 31 in order.
-      vf acc[std::size_t{K}][2];
-      for (int b = 0; b < K; ++b) acc[b][0] = acc[b][1] = V::set1(0.0f);
-      vf pm = V::set1(0.0f);  // lane b: sum_t p m of group b0 + b
+    block_passes<NB>(d / 32, [&]<int K>(int b0) KVQ_CPU_ALWAYS_INLINE {
+      // B = 4: acc[b][2u] holds the even channels of bytes u W .. u W + W - 1 (low nibbles),
+      // acc[b][2u + 1] the odd ones; crumbs: acc[b][4u + r] channels 4 (u W + l) + r in lane l;
+      // else acc[b][u] channels u W .. u W + W - 1.
+      constexpr int A = B == 4 ? 2 * U : crumbs ? 4 * U : U;
+      vf acc[std::size_t{K}][std::size_t{A}];
+      for (int b = 0; b < K; ++b)
+        for (int u = 0; u < A; ++u) acc[b][u] = V::set1(0.0f);
+      alignas(64) float w[std::size_t{W >= K ? W : K}];
+      alignas(64) float pm[std::size_t{W >= K ? W : K}] = {};  // sum_t p m of group b0 + b
+      vf pmv = V::set1(0.0f);
       for (int t = 0; t < n; ++t) {
         std::uint8_t const* row = v.rows[t] + bb * static_cast<std::size_t>(b0);
-        vf const pt = V::set1(p[t]);
-        alignas(64) float w[std::size_t{W}];
-        V::store(w, V::mul_c(pt, V::template f16_strided_hw<bb, K>(row)));
-        pm = V::fma(pt, V::template f16_strided_hw<bb, K>(row + 2), pm);
+        if constexpr (register_table16) {  // the K weights and minima together
+          vf const pt = V::set1(p[t]);
+          V::store(w, V::mul_c(pt, f16_strided<bb, K>(row)));
+          pmv = V::fma(pt, f16_strided<bb, K>(row + 2), pmv);
+        } else {
+          for (int b = 0; b < K; ++b) {
+            std::uint8_t const* blk = row + bb * static_cast<std::size_t>(b);
+            w[b] = p[t] * scale_at(blk);
+            pm[b] += p[t] * scale_at(blk + 2);
+          }
+        }
         for (int b = 0; b < K; ++b) {
           std::uint8_t const* blk = row + bb * static_cast<std::size_t>(b) + detail::kivi_group_header_bytes;
           vf const wb = V::set1(w[b]);
-          if constexpr (B == 4) {
-            vi const bytes = V::load_u8(blk);
-            acc[b][0] = V::fma(wb, V::template lookup<4>(table, bytes), acc[b][0]);
-            acc[b][1] = V::fma(wb, V::template lookup<4>(table, V::template srli<4>(bytes)), acc[b][1]);
-          } else {
-            acc[b][0] = V::fma(wb, V::cvt_f(V::template load_codes<2>(blk)), acc[b][0]);
-            acc[b][1] = V::fma(wb, V::cvt_f(V::template load_codes<2>(blk + 4)), acc[b][1]);
+          for (int u = 0; u < U; ++u) {
+            if constexpr (B == 4) {
+              vi const bytes = V::load_u8(blk + W * u);
+              vf lo, hi;
+              if constexpr (register_table16) {  // the permute reads the low 4 bits of each lane
+                lo = V::template lookup<4>(table, bytes);
+                hi = V::template lookup<4>(table, V::template srli<4>(bytes));
+              } else {
+                lo = V::cvt_f(V::and_i(bytes, V::set1_i(15)));
+                hi = V::cvt_f(V::template srli<4>(bytes));
+              }
+              acc[b][2 * u] = V::fma(wb, lo, acc[b][2 * u]);
+              acc[b][2 * u + 1] = V::fma(wb, hi, acc[b][2 * u + 1]);
+            } else if constexpr (crumbs) {
+              vi const bytes = V::load_u8(blk + W * u);
+              vi const three = V::set1_i(3);
+              acc[b][4 * u] = V::fma(wb, V::cvt_f(V::and_i(bytes, three)), acc[b][4 * u]);
+              acc[b][4 * u + 1] = V::fma(wb, V::cvt_f(V::and_i(V::template srli<2>(bytes), three)), acc[b][4 * u + 1]);
+              acc[b][4 * u + 2] = V::fma(wb, V::cvt_f(V::and_i(V::template srli<4>(bytes), three)), acc[b][4 * u + 2]);
+              acc[b][4 * u + 3] = V::fma(wb, V::cvt_f(V::template srli<6>(bytes)), acc[b][4 * u + 3]);
+            } else {
+              acc[b][u] = V::fma(wb, V::cvt_f(V::template load_codes<2>(blk + W * u / 4)), acc[b][u]);
+            }
           }
         }
       }
-      alignas(64) float bias[std::size_t{W}];
-      V::store(bias, pm);
+      if constexpr (register_table16) V::store(pm, pmv);
       for (int b = 0; b < K; ++b) {
         float* const oc = o + 32 * (b0 + b);
-        vf const mb = V::set1(bias[b]);
-        vf lo = acc[b][0], hi = acc[b][1];
-        if constexpr (B == 4) V::interleave(acc[b][0], acc[b][1], lo, hi);
-        V::store(oc, V::add(V::load(oc), V::add(lo, mb)));
-        V::store(oc + W, V::add(V::load(oc + W), V::add(hi, mb)));
+        vf const mb = V::set1(pm[b]);
+        for (int u = 0; u < A; u += B == 4 ? 2 : crumbs ? 4 : 1) {
+          if constexpr (crumbs) {  // residues 0 .. 3 of 4W channels into channel order
+            vf x0, x1, y0, y1, c[4];
+            V::interleave(acc[b][u], acc[b][u + 2], x0, x1);      // channels 0, 2, 4, ...
+            V::interleave(acc[b][u + 1], acc[b][u + 3], y0, y1);  // channels 1, 3, 5, ...
+            V::interleave(x0, y0, c[0], c[1]);
+            V::interleave(x1, y1, c[2], c[3]);
+            for (int k = 0; k < 4; ++k) V::store(oc + W * (u + k), V::add(V::load(oc + W * (u + k)), V::add(c[k], mb)));
+          } else if constexpr (B == 4) {
+            vf lo, hi;
+            V::interleave(acc[b][u], acc[b][u + 1], lo, hi);
+            V::store(oc + W * u, V::add(V::load(oc + W * u), V::add(lo, mb)));
+            V::store(oc + W * u + W, V::add(V::load(oc + W * u + W), V::add(hi, mb)));
+          } else {
+            V::store(oc + W * u, V::add(V::load(oc + W * u), V::add(acc[b][u], mb)));
+          }
+        }
       }
-    };
-    int const nb = d / 32;
-    int b = 0;
-    for (; b + NB <= nb; b += NB) pass.template operator()<NB>(b);
-    switch (nb - b) {
-      case 3:
-        pass.template operator()<3>(b);
-        break;
-      case 2:
-        pass.template operator()<2>(b);
-        break;
-      case 1:
-        pass.template operator()<1>(b);
-        break;
-      default:
-        break;
-    }
+    });
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -2129,13 +2230,13 @@ struct simd_attention {
           decode_rows<loader>(rows, m, d, s.dense.data());
           std::uint8_t const* ptrs[T];
           accumulate(state.out, d, group, s.probs.data(), first, rows_in(s.dense.data(), m, d, ptrs), m);
-        } else if constexpr (std::is_same_v<loader, q4_0_rows> && q4_0_rows::by_table) {
+        } else if constexpr (std::is_same_v<loader, q4_0_rows>) {
           if (group == 1 && d % 32 == 0)
             accumulate_one_head_q4_0(state.out, s.probs.data() + first, rows, m, d);
           else
             accumulate(state.out, d, group, s.probs.data(), first, rows, m);
         } else if constexpr ((std::is_same_v<loader, kivi_value_rows<4>> ||
-                              std::is_same_v<loader, kivi_value_rows<2>>)&&register_table16) {
+                              std::is_same_v<loader, kivi_value_rows<2>>)) {
           if (group == 1 && d % 32 == 0)
             accumulate_one_head_kivi(state.out, s.probs.data() + first, rows, m, d);
           else
