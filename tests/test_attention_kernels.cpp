@@ -595,6 +595,38 @@ TEST_CASE("SIMD attention: fp8 with a scale, and E5M2 infinities", "[attention_k
   run(kvq::fp8_e4m3{}, 3.0e37f, kvq::fp8_overflow::saturate, "e4m3, scale 3e37 (its 2^8 multiple overflows)");
 }
 
+TEST_CASE("SIMD attention: fp8 rows whose largest code times the scale overflows, as the reference",
+          "[attention_kernels]") {
+  // Kernels may fold an fp8 scale into the query or the probabilities, which moves where a product
+  // overflows: with a scale this large, a crafted largest code (E4M3 448, E5M2 57344) decodes to
+  // +Inf in the reference (code times scale), in a key row and in a value row, and the logits and
+  // output lanes must be infinite or NaN exactly where the reference's are.
+  int const kv = 2;
+  std::int64_t const n = 90;
+  auto run = [&](auto tag, float scale, std::uint8_t largest, char const* what) {
+    using C = decltype(tag);
+    for (int d : {64, 128})
+      for (int qh : {2, 8}) {
+        INFO(what << ", head_dim " << d << ", " << qh << " query heads");
+        auto const q = queries(qh, d, 71);
+        auto const kvd = gaussian_kv(n, kv, d, 73, scale);
+        typename kvq::QuantizedKVCache<C>::options o;
+        o.key = o.value = kvq::fp8_params{scale, kvq::fp8_overflow::saturate};
+        kvq::QuantizedKVCache<C> cache({2, kv, d, n}, o);
+        cache.append(1, kvq::token_major(kvd.k.data(), n, kv, d), kvq::token_major(kvd.v.data(), n, kv, d));
+        compare(cache, q, qh, 0, n, {}, 2e-5, std::string(what) + ", every code finite once scaled");
+        auto const vs = cache.value_storage(1, 0);
+        const_cast<std::byte*>(vs.units)[30 * vs.unit_bytes + 3] = static_cast<std::byte>(largest);
+        compare(cache, q, qh, 0, n, {}, 2e-5, std::string(what) + ", a value code of +Inf once scaled");
+        auto const ks = cache.key_storage(1, 1);
+        const_cast<std::byte*>(ks.units)[40 * ks.unit_bytes + 5] = static_cast<std::byte>(largest | 0x80);
+        compare(cache, q, qh, 0, n, {}, 2e-5, std::string(what) + ", and a key code of -Inf once scaled");
+      }
+  };
+  run(kvq::fp8_e4m3{}, 1e36f, 0x7e, "e4m3, scale 1e36");
+  run(kvq::fp8_e5m2{}, 1e35f, 0x7b, "e5m2, scale 1e35");
+}
+
 TEST_CASE("SIMD attention: FP4 rows with a scale, NaN and Inf as the reference", "[attention_kernels][fp4]") {
   int const kv = 2, qh = 8;
   std::int64_t const n = 100;

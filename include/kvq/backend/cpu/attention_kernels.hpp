@@ -146,6 +146,8 @@ struct attention_scratch {
   detail::vector<float> special_values;  // (tile, head_dim)
   detail::vector<char> special;          // (group)
   detail::vector<float> dense;           // (tile, head_dim): values decoded once for many rows
+  detail::vector<float> folded_query;    // (group, head_dim): the query times an fp8 key scale
+  detail::vector<float> weights;         // (group, tile): the probabilities times an fp8 value scale
   detail::vector<float> q_scale;         // (group, blocks): a q8_0 query's block scales as f32
   detail::vector<std::int32_t> q_sum;    // (group, blocks): its block code sums
   // Many query rows (simd_attention::attend_transposed), rows padded to whole vectors (rp):
@@ -419,25 +421,38 @@ struct simd_attention {
   /// e4m3_load_hw_scaled) and multiplied by the codec's scale: one rounding, as the codec's decode
   /// (NaN payloads aside). E4M3 values come times 2^-8, so the scale is taken times 2^8 (exact: the
   /// caller checks that it stays finite); E4M3 NaN codes, which that conversion would read as
-  /// finite values, are the caller's to exclude (then fp8_rows_exact).
-  template <bool E4M3>
+  /// finite values, are the caller's to exclude (then fp8_rows_exact). Unscaled rows (Scaled false)
+  /// give the codes' values times 2^-8 (E4M3) or as they are (E5M2), for a caller that multiplies
+  /// the other operand by factor().
+  template <bool E4M3, bool Scaled = true>
   struct fp8_rows {
     std::uint8_t const* const* rows;
     float scale;
+    /// The largest finite magnitude an unscaled load gives.
+    static constexpr float largest = E4M3 ? 448.0f / 256.0f : 57344.0f;
     struct prep {
       vf scale;
     };
-    prep prepare(int, int) const noexcept { return {V::set1(E4M3 ? scale * 256.0f : scale)}; }
-    vf load(int t, int c, prep const& pr) const noexcept {
-      if constexpr (E4M3)
-        return V::mul_c(V::e4m3_load_hw_scaled(rows[t] + c), pr.scale);
+    /// What the unscaled values are to be multiplied by: the scale (E4M3: times 2^8).
+    float factor() const noexcept { return E4M3 ? scale * 256.0f : scale; }
+    fp8_rows<E4M3, false> unscaled() const noexcept { return {rows, scale}; }
+    prep prepare(int, int) const noexcept { return {V::set1(factor())}; }
+    vf load(int t, int c, [[maybe_unused]] prep const& pr) const noexcept {
+      vf const x = E4M3 ? V::e4m3_load_hw_scaled(rows[t] + c) : V::e5m2_load_hw(rows[t] + c);
+      if constexpr (Scaled)
+        return V::mul_c(x, pr.scale);
       else
-        return V::mul_c(V::e5m2_load_hw(rows[t] + c), pr.scale);
+        return x;
     }
     float at(int t, int c) const noexcept {
-      return E4M3 ? detail::e4m3_to_f32_scaled(rows[t][c], scale) : detail::e5m2_to_f32_scaled(rows[t][c], scale);
+      float const f = Scaled ? scale : E4M3 ? 1.0f / 256.0f : 1.0f;
+      return E4M3 ? detail::e4m3_to_f32_scaled(rows[t][c], f) : detail::e5m2_to_f32_scaled(rows[t][c], f);
     }
   };
+  template <class C>
+  static constexpr bool fp8_codec = std::is_same_v<C, fp8_e4m3> || std::is_same_v<C, fp8_e5m2>;
+  template <class L>
+  static constexpr bool is_scaled_fp8_rows = std::is_same_v<L, fp8_rows<true>> || std::is_same_v<L, fp8_rows<false>>;
 
   /// E4M3 rows that may hold NaN codes (or whose scale times 2^8 overflows): the codecs' exact
   /// vector decode (simd_codecs::fp8_values), then the scale (one rounding).
@@ -2198,12 +2213,40 @@ struct simd_attention {
         query_block_terms(qb, nqb, s.q_scale.data(), s.q_sum.data());
       }
     }
+    // fp8 rows: the scale folded into the query (keys) or into the probabilities (values) where no
+    // product can overflow in either order, so the NaN and Inf lanes stay the reference's and the
+    // loaders skip one multiply per vector.
+    bool fold_key_scale = false, fold_value_scale = false;
+    float value_factor = 0.0f;
+    if constexpr (fp8_codec<KC>) {
+      using rows_type = fp8_rows<std::is_same_v<KC, fp8_e4m3>>;
+      float const f = rows_type{nullptr, kp.scale}.factor();
+      std::size_t const nq = static_cast<std::size_t>(group) * static_cast<std::size_t>(d);
+      float qmax = 0.0f;  // NaN lanes are skipped (q f keeps them NaN)
+      for (std::size_t i = 0; i < nq; ++i) qmax = std::max(qmax, std::fabs(q[i]));
+      if (std::isfinite(f * rows_type::largest) && std::isfinite(qmax * f * rows_type::largest)) {
+        if (s.folded_query.size() < nq) s.folded_query.resize(nq);
+        for (std::size_t i = 0; i < nq; ++i) s.folded_query[i] = q[i] * f;
+        fold_key_scale = true;
+      }
+    }
+    if constexpr (fp8_codec<VC>) {
+      using rows_type = fp8_rows<std::is_same_v<VC, fp8_e4m3>>;
+      value_factor = rows_type{nullptr, vp.scale}.factor();
+      fold_value_scale = std::isfinite(value_factor * rows_type::largest);
+      if (s.weights.size() < static_cast<std::size_t>(group) * T) s.weights.resize(static_cast<std::size_t>(group) * T);
+    }
     for (std::int64_t t0 = begin; t0 < end; t0 += T) {
       std::int64_t const tb = t0;
       int const n = static_cast<int>(std::min(end, t0 + T) - tb);
       prefetch_tile(k, KC::geometry(d).tokens, tb + n, std::min<std::int64_t>(end - tb - n, T));
-      tile_logits<KC>(k, kp, call, q, qb, tb, n, s, tr,
-                      [&](auto const& rows, int m, int off) { dot_rows(q, d, group, rows, m, off, s.logits.data()); });
+      tile_logits<KC>(k, kp, call, q, qb, tb, n, s, tr, [&](auto const& rows, int m, int off) {
+        if constexpr (is_scaled_fp8_rows<std::decay_t<decltype(rows)>>) {
+          if (fold_key_scale)
+            return dot_rows(s.folded_query.data(), d, group, rows.unscaled(), m, off, s.logits.data());
+        }
+        dot_rows(q, d, group, rows, m, off, s.logits.data());
+      });
       prefetch_tile(v, 1, tb + n, std::min<std::int64_t>(end - tb - n, T));
       // Softmax per head; heads with a NaN or infinite logit take the per-token path below.
       bool any_special = false;
@@ -2241,6 +2284,16 @@ struct simd_attention {
             accumulate_one_head_kivi(state.out, s.probs.data() + first, rows, m, d);
           else
             accumulate(state.out, d, group, s.probs.data(), first, rows, m);
+        } else if constexpr (is_scaled_fp8_rows<loader>) {
+          if (fold_value_scale) {  // (p f) x for the unscaled x
+            float* const w = s.weights.data();
+            for (int h = 0; h < group; ++h)
+              for (int t = first; t < first + m; ++t)
+                w[h * T + t] = s.probs[static_cast<std::size_t>(h * T + t)] * value_factor;
+            accumulate(state.out, d, group, w, first, rows.unscaled(), m);
+          } else {
+            accumulate(state.out, d, group, s.probs.data(), first, rows, m);
+          }
         } else {
           accumulate(state.out, d, group, s.probs.data(), first, rows, m);
         }
