@@ -1126,7 +1126,7 @@ struct simd_attention {
         for (int j = first / (2 * W); j * 2 * W < first + n; ++j) {
           vf acc[8];
           with_head_count(
-              nh, [&](auto NH) { kivi_nibble_dots<KC, decltype(NH)::value>(codes + j * W, d, scaled, bias, acc); });
+              nh, [&](auto NH) { kivi_packed_dots<KC, decltype(NH)::value>(codes + j * W, d, scaled, bias, acc); });
           scatter(acc, 2, [&](int odd, int l) { return j * 2 * W + 2 * l + odd; });
         }
         continue;
@@ -1136,9 +1136,9 @@ struct simd_attention {
           for (int j = first / (4 * W); j * 4 * W < first + n; ++j) {
             vf acc[16];
             if (nh == 1)
-              kivi_crumb_dots<KC, 1>(codes + j * W, d, scaled, bias, acc);
+              kivi_packed_dots<KC, 1>(codes + j * W, d, scaled, bias, acc);
             else
-              kivi_crumb_dots<KC, 2>(codes + j * W, d, scaled, bias, acc);
+              kivi_packed_dots<KC, 2>(codes + j * W, d, scaled, bias, acc);
             scatter(acc, 4, [&](int r, int l) { return j * 4 * W + 4 * l + r; });
           }
           continue;
@@ -1178,65 +1178,44 @@ struct simd_attention {
     }
   }
 
-  /// kivi_chunk_dots for 4-bit codes, 2W tokens at a time: channel c's W code bytes at
-  /// cj + c · code_bytes hold tokens 2l (low nibble) and 2l + 1 (high nibble) in lane l, so
-  /// out[i] gets the even tokens and out[4 + i] the odd ones, without unpacking nibbles in order.
+  /// kivi_chunk_dots for codes of B = 4 or 2 bits, R = 8 / B to a byte, R W tokens at a time:
+  /// channel c's W code bytes at cj + c · code_bytes hold tokens R l .. R l + R - 1 in lane l (the
+  /// low bits first), so out[r * 4 + i] gets head i's tokens R l + r, without unpacking the codes in
+  /// order. P (the channel residues summed apart) depends on NH alone, as kivi_chunk_dots'.
   template <class KC, int NH>
-  static void kivi_nibble_dots(std::uint8_t const* cj, int d, float const* scaled, float const* bias,
+  static void kivi_packed_dots(std::uint8_t const* cj, int d, float const* scaled, float const* bias,
                                vf* out) noexcept {
+    constexpr int B = KC::bits, R = 8 / B;
+    static_assert((B == 4 && NH <= 4) || (B == 2 && NH <= 2),
+                  "kivi_packed_dots: 4-bit codes for up to four heads, 2-bit codes for up to two");
     constexpr int code_bytes = KC::code_bytes;
-    constexpr int P = NH >= 4 ? 1 : NH >= 2 ? 2 : 4;
-    vf acc[std::size_t{P}][2][std::size_t{NH}];
+    constexpr int P = B == 4 ? (NH >= 4 ? 1 : NH >= 2 ? 2 : 4) : (NH == 1 ? 2 : 1);
+    vf acc[std::size_t{P}][std::size_t{R}][std::size_t{NH}];
     for (int p = 0; p < P; ++p)
-      for (int i = 0; i < NH; ++i) acc[p][0][i] = acc[p][1][i] = V::set1(p == 0 ? bias[i] : 0.0f);
-    auto const step = [&](int c, vf(&a)[2][std::size_t{NH}]) {
-      vi const b = V::load_u8(cj + static_cast<std::ptrdiff_t>(c) * code_bytes);
-      vf const lo = V::cvt_f(V::and_i(b, V::set1_i(15))), hi = V::cvt_f(V::template srli<4>(b));
-      for (int i = 0; i < NH; ++i) {
-        vf const s = V::set1(scaled[i * d + c]);
-        a[0][i] = V::fma(lo, s, a[0][i]);
-        a[1][i] = V::fma(hi, s, a[1][i]);
-      }
-    };
-    int c = 0;
-    for (; c + P <= d; c += P)
-      for (int p = 0; p < P; ++p) step(c + p, acc[p]);
-    for (; c < d; ++c) step(c, acc[0]);
-    for (int odd = 0; odd < 2; ++odd)
-      for (int i = 0; i < NH; ++i) {
-        vf a = acc[0][odd][i];
-        for (int p = 1; p < P; ++p) a = V::add(a, acc[p][odd][i]);
-        out[odd * 4 + i] = a;
-      }
-  }
-
-  /// kivi_chunk_dots for 2-bit codes and one or two heads, 4W tokens at a time: channel c's W code
-  /// bytes at cj + c · code_bytes hold tokens 4l .. 4l + 3 in lane l (bits 0-1 .. 6-7), so
-  /// out[r * 4 + i] gets tokens 4l + r, without unpacking the codes in order.
-  template <class KC, int NH>
-  static void kivi_crumb_dots(std::uint8_t const* cj, int d, float const* scaled, float const* bias, vf* out) noexcept {
-    static_assert(NH <= 2, "kivi_crumb_dots: at most two heads (4 x NH x P accumulators)");
-    constexpr int code_bytes = KC::code_bytes;
-    constexpr int P = NH == 1 ? 2 : 1;
-    vf acc[std::size_t{P}][4][std::size_t{NH}];
-    for (int p = 0; p < P; ++p)
-      for (int r = 0; r < 4; ++r)
+      for (int r = 0; r < R; ++r)
         for (int i = 0; i < NH; ++i) acc[p][r][i] = V::set1(p == 0 ? bias[i] : 0.0f);
-    auto const step = [&](int c, vf(&a)[4][std::size_t{NH}]) {
+    auto const step = [&](int c, vf(&a)[std::size_t{R}][std::size_t{NH}]) {
       vi const b = V::load_u8(cj + static_cast<std::ptrdiff_t>(c) * code_bytes);
-      vi const three = V::set1_i(3);
-      vf const x[4] = {V::cvt_f(V::and_i(b, three)), V::cvt_f(V::and_i(V::template srli<2>(b), three)),
-                       V::cvt_f(V::and_i(V::template srli<4>(b), three)), V::cvt_f(V::template srli<6>(b))};
+      vi const mask = V::set1_i((1 << B) - 1);
+      vf x[std::size_t{R}];
+      x[0] = V::cvt_f(V::and_i(b, mask));
+      if constexpr (B == 4) {
+        x[1] = V::cvt_f(V::template srli<4>(b));
+      } else {
+        x[1] = V::cvt_f(V::and_i(V::template srli<2>(b), mask));
+        x[2] = V::cvt_f(V::and_i(V::template srli<4>(b), mask));
+        x[3] = V::cvt_f(V::template srli<6>(b));
+      }
       for (int i = 0; i < NH; ++i) {
         vf const s = V::set1(scaled[i * d + c]);
-        for (int r = 0; r < 4; ++r) a[r][i] = V::fma(x[r], s, a[r][i]);
+        for (int r = 0; r < R; ++r) a[r][i] = V::fma(x[r], s, a[r][i]);
       }
     };
     int c = 0;
     for (; c + P <= d; c += P)
       for (int p = 0; p < P; ++p) step(c + p, acc[p]);
     for (; c < d; ++c) step(c, acc[0]);
-    for (int r = 0; r < 4; ++r)
+    for (int r = 0; r < R; ++r)
       for (int i = 0; i < NH; ++i) {
         vf a = acc[0][r][i];
         for (int p = 1; p < P; ++p) a = V::add(a, acc[p][r][i]);
