@@ -1178,6 +1178,20 @@ struct simd_attention {
     }
   }
 
+  /// The 8 / B codes of B = 4 or 2 bits packed in the low byte of each lane, lowest bits first.
+  template <int B>
+  static void unpack_byte_codes(vi b, vf (&x)[std::size_t{8 / B}]) noexcept {
+    vi const mask = V::set1_i((1 << B) - 1);
+    x[0] = V::cvt_f(V::and_i(b, mask));
+    if constexpr (B == 4) {
+      x[1] = V::cvt_f(V::template srli<4>(b));
+    } else {
+      x[1] = V::cvt_f(V::and_i(V::template srli<2>(b), mask));
+      x[2] = V::cvt_f(V::and_i(V::template srli<4>(b), mask));
+      x[3] = V::cvt_f(V::template srli<6>(b));
+    }
+  }
+
   /// kivi_chunk_dots for codes of B = 4 or 2 bits, R = 8 / B to a byte, R W tokens at a time:
   /// channel c's W code bytes at cj + c · code_bytes hold tokens R l .. R l + R - 1 in lane l (the
   /// low bits first), so out[r * 4 + i] gets head i's tokens R l + r, without unpacking the codes in
@@ -1195,17 +1209,8 @@ struct simd_attention {
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < NH; ++i) acc[p][r][i] = V::set1(p == 0 ? bias[i] : 0.0f);
     auto const step = [&](int c, vf(&a)[std::size_t{R}][std::size_t{NH}]) {
-      vi const b = V::load_u8(cj + static_cast<std::ptrdiff_t>(c) * code_bytes);
-      vi const mask = V::set1_i((1 << B) - 1);
       vf x[std::size_t{R}];
-      x[0] = V::cvt_f(V::and_i(b, mask));
-      if constexpr (B == 4) {
-        x[1] = V::cvt_f(V::template srli<4>(b));
-      } else {
-        x[1] = V::cvt_f(V::and_i(V::template srli<2>(b), mask));
-        x[2] = V::cvt_f(V::and_i(V::template srli<4>(b), mask));
-        x[3] = V::cvt_f(V::template srli<6>(b));
-      }
+      unpack_byte_codes<B>(V::load_u8(cj + static_cast<std::ptrdiff_t>(c) * code_bytes), x);
       for (int i = 0; i < NH; ++i) {
         vf const s = V::set1(scaled[i * d + c]);
         for (int r = 0; r < R; ++r) a[r][i] = V::fma(x[r], s, a[r][i]);
@@ -1556,25 +1561,17 @@ struct simd_attention {
           std::uint8_t const* blk = row + bb * static_cast<std::size_t>(b) + detail::kivi_group_header_bytes;
           vf const wb = V::set1(w[b]);
           for (int u = 0; u < U; ++u) {
-            if constexpr (B == 4) {
+            if constexpr (B == 4 || crumbs) {
+              constexpr int R = 8 / B;  // codes per byte lane
               vi const bytes = V::load_u8(blk + W * u);
-              vf lo, hi;
-              if constexpr (register_table16) {  // the permute reads the low 4 bits of each lane
-                lo = V::template lookup<4>(table, bytes);
-                hi = V::template lookup<4>(table, V::template srli<4>(bytes));
+              vf x[std::size_t{R}];
+              if constexpr (B == 4 && register_table16) {  // the permute reads the low 4 bits of each lane
+                x[0] = V::template lookup<4>(table, bytes);
+                x[1] = V::template lookup<4>(table, V::template srli<4>(bytes));
               } else {
-                lo = V::cvt_f(V::and_i(bytes, V::set1_i(15)));
-                hi = V::cvt_f(V::template srli<4>(bytes));
+                unpack_byte_codes<B>(bytes, x);
               }
-              acc[b][2 * u] = V::fma(wb, lo, acc[b][2 * u]);
-              acc[b][2 * u + 1] = V::fma(wb, hi, acc[b][2 * u + 1]);
-            } else if constexpr (crumbs) {
-              vi const bytes = V::load_u8(blk + W * u);
-              vi const three = V::set1_i(3);
-              acc[b][4 * u] = V::fma(wb, V::cvt_f(V::and_i(bytes, three)), acc[b][4 * u]);
-              acc[b][4 * u + 1] = V::fma(wb, V::cvt_f(V::and_i(V::template srli<2>(bytes), three)), acc[b][4 * u + 1]);
-              acc[b][4 * u + 2] = V::fma(wb, V::cvt_f(V::and_i(V::template srli<4>(bytes), three)), acc[b][4 * u + 2]);
-              acc[b][4 * u + 3] = V::fma(wb, V::cvt_f(V::template srli<6>(bytes)), acc[b][4 * u + 3]);
+              for (int r = 0; r < R; ++r) acc[b][R * u + r] = V::fma(wb, x[r], acc[b][R * u + r]);
             } else {
               acc[b][u] = V::fma(wb, V::cvt_f(V::template load_codes<2>(blk + W * u / 4)), acc[b][u]);
             }
@@ -2213,7 +2210,8 @@ struct simd_attention {
       using rows_type = fp8_rows<std::is_same_v<VC, fp8_e4m3>>;
       value_factor = rows_type{nullptr, vp.scale}.factor();
       fold_value_scale = std::isfinite(value_factor * rows_type::largest);
-      if (s.weights.size() < static_cast<std::size_t>(group) * T) s.weights.resize(static_cast<std::size_t>(group) * T);
+      if (fold_value_scale && s.weights.size() < static_cast<std::size_t>(group) * T)
+        s.weights.resize(static_cast<std::size_t>(group) * T);
     }
     for (std::int64_t t0 = begin; t0 < end; t0 += T) {
       std::int64_t const tb = t0;
