@@ -252,7 +252,7 @@ TEST_CASE("SIMD attention matches the reference: tq2, tq3, tq4", "[attention_ker
 
 TEST_CASE("SIMD attention: tq rows of three or more rotation blocks", "[attention_kernels][tq]") {
   // 112 = 64 + 32 + 16 and 224 = 128 + 64 + 32: the loader's block scales are looked up at every
-  // prepare (rows of one or two blocks have them computed once per token).
+  // prepare (rows of one block multiply the logits and the probabilities by them instead).
   std::uint32_t seed = 501;
   for (int d : {112, 224}) {
     for (auto const& lay : layouts) {
@@ -285,6 +285,30 @@ TEST_CASE("SIMD attention: tq rows holding NaN or Inf as the reference", "[atten
     cache.append(1, kvq::token_major(k.data(), n, kv, d), kvq::token_major(v.data(), n, kv, d));
     compare(cache, q, qh, 0, n, {}, 2e-5, "tq4 with NaN/Inf rows, head_dim " + std::to_string(d));
     compare(cache, q, qh, 0, 40, {}, 2e-5, "tq4 before the poisoned key, head_dim " + std::to_string(d));
+  }
+}
+
+TEST_CASE("SIMD attention: tq rows whose scale overflows f16 as the reference", "[attention_kernels][tq]") {
+  // A row 1e6 times larger stores the scale +Inf (its norm over the centroids' is far above
+  // 65504), so every decoded value is +-Inf: the logit of a key row is NaN (products of both signs),
+  // and a value row's Inf or NaN channels reach the output, as the reference's per-element decode.
+  int const kv = 2;
+  std::int64_t const n = 100;
+  for (int d : {128, 64, 96}) {
+    for (int qh : {2, 8}) {
+      auto const q = queries(qh, d, 19);
+      auto kvd = gaussian_kv(n, kv, d, 23);
+      for (int c = 0; c < d; ++c) {
+        kvd.k[static_cast<std::size_t>(40 * kv + 1) * d + static_cast<std::size_t>(c)] *= 1e6f;
+        kvd.v[static_cast<std::size_t>(70 * kv) * d + static_cast<std::size_t>(c)] *= 1e6f;
+      }
+      kvq::QuantizedKVCache<kvq::tq4> cache({2, kv, d, n});
+      cache.append(1, kvq::token_major(kvd.k.data(), n, kv, d), kvq::token_major(kvd.v.data(), n, kv, d));
+      std::string const what = "tq4 with an overflowing scale, head_dim " + std::to_string(d) + ", " +
+                               std::to_string(qh) + "/" + std::to_string(kv) + " heads";
+      compare(cache, q, qh, 0, n, {}, 2e-5, what);
+      compare(cache, q, qh, 50, n, {}, 2e-5, what + ", after the key");
+    }
   }
 }
 

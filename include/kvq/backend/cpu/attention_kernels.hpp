@@ -503,28 +503,42 @@ struct simd_attention {
     }
   };
 
+  /// tq codebook rows of one rotation block, unscaled: c[code] of W channels unpacked from the bit
+  /// stream by a register table of the centroids, for a caller that multiplies each token's
+  /// products by the token's scale (tq_rows::token_scales).
+  template <int B>
+  struct tq_centroid_rows {
+    using table = typename V::table16;
+    std::uint8_t const* const* rows;
+    int d;
+    int scale_bytes;  // where the codes start
+    table centroids;  // t[i] = c[i mod 2^B]
+    KVQ_CPU_ALWAYS_INLINE no_prep prepare(int, int) const noexcept { return {}; }
+    KVQ_CPU_ALWAYS_INLINE vf load(int t, int c, no_prep) const noexcept {
+      return V::template lookup_symmetric<B>(centroids, V::template stream_codes<B>(rows[t] + scale_bytes, c));
+    }
+    float at(int t, int c) const noexcept { return detail::tq_centroid(B, detail::tq_code(B, rows[t], d, c)); }
+  };
+
   /// tq codebook rows (tq_codebook<B>, FORMATS.md §6.2): the codes of W channels unpacked from
   /// the bit stream and looked up in a register table of the centroids times the scale of their
   /// rotation block, c[code] * g (one rounding, the codec's decode; NaN signs aside). For head_dims
   /// that are multiples of W: every vector the kernels load then lies inside one rotation block,
   /// and prepare(t, c) gives the table scaled by the scale of c's block (blocks of >= 32 channels
-  /// are 32-aligned). Rows of at most `kept` blocks (head_dim 64, 80, 96, 128, 256, ...) have their
-  /// scaled tables computed once per token, when the loader is made, not at every prepare.
+  /// are 32-aligned).
   template <int B>
   struct tq_rows {
     using table = typename V::table16;
-    static constexpr int kept = 2;
     std::uint8_t const* const* rows;
     int d;
     int blocks;
     int scale_bytes;  // 2 * rotation blocks: where the codes start
     table centroids;
     float centroid[16];
-    table scaled[std::size_t{kept}][std::size_t{T}];  // [block][token], rows of <= kept blocks
     struct prep {
       table scaled;
     };
-    tq_rows(std::uint8_t const* const* r, int head_dim, int m) noexcept
+    tq_rows(std::uint8_t const* const* r, int head_dim) noexcept
         : rows(r),
           d(head_dim),
           blocks(detail::rotation_block_count(head_dim)),
@@ -533,9 +547,6 @@ struct simd_attention {
       for (int i = 0; i < (1 << B); ++i) centroid[i] = detail::tq_centroid(B, i);
       for (int i = 0; i < 16; ++i) t16[i] = centroid[i % (1 << B)];
       centroids = V::make_table16(t16);
-      if (blocks <= kept)
-        for (int b = 0; b < blocks; ++b)
-          for (int t = 0; t < m; ++t) scaled[b][t] = scaled_table(t, b);
     }
     /// The rotation block of channel c: the blocks follow the bits of d from the highest, so c's
     /// block is the one of the highest bit where c and d differ.
@@ -543,13 +554,9 @@ struct simd_attention {
       auto const ud = static_cast<unsigned>(d);
       return std::popcount(ud >> std::bit_width(static_cast<unsigned>(c) ^ ud));
     }
-    table scaled_table(int t, int block) const noexcept {
-      return V::template scale_symmetric<B>(centroids, V::set1(scale_at(rows[t] + 2 * block)));
-    }
     KVQ_CPU_ALWAYS_INLINE prep prepare(int t, int c) const noexcept {
-      if (blocks == 1) return {scaled[0][t]};
-      int const b = block_of(c);
-      return {blocks <= kept ? scaled[b][t] : scaled_table(t, b)};
+      float const g = scale_at(rows[t] + 2 * (blocks == 1 ? 0 : block_of(c)));
+      return {V::template scale_symmetric<B>(centroids, V::set1(g))};
     }
     KVQ_CPU_ALWAYS_INLINE vf load(int t, int c, prep const& pr) const noexcept {
       return V::template lookup_symmetric<B>(pr.scaled, V::template stream_codes<B>(rows[t] + scale_bytes, c));
@@ -557,7 +564,21 @@ struct simd_attention {
     float at(int t, int c) const noexcept {
       return detail::mul_rn(centroid[detail::tq_code(B, rows[t], d, c)], scale_at(rows[t] + 2 * block_of(c)));
     }
+    /// The same rows without their scales (one rotation block: blocks == 1).
+    tq_centroid_rows<B> unscaled() const noexcept { return {rows, d, scale_bytes, centroids}; }
+    /// g[t] = the scale of token t < m (one rotation block); whether all of them are finite.
+    bool token_scales(int m, float* g) const noexcept {
+      bool finite = true;
+      for (int t = 0; t < m; ++t) {
+        g[t] = scale_at(rows[t]);
+        finite = finite && std::isfinite(g[t]);
+      }
+      return finite;
+    }
   };
+  template <class L>
+  static constexpr bool is_tq_rows =
+      std::is_same_v<L, tq_rows<2>> || std::is_same_v<L, tq_rows<3>> || std::is_same_v<L, tq_rows<4>>;
 
   /// detail::fp4_doubled_value of codes 0-15.
   alignas(64) static constexpr float fp4_doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -702,7 +723,7 @@ struct simd_attention {
       // A head_dim with a rotation block smaller than W (d % W != 0: d = 40 on AVX-512) would
       // leave its last channels to at(), element by element: decoded rows instead.
       if (d % W == 0)
-        f(tq_rows<C::bits>{tr.rows, d, m});
+        f(tq_rows<C::bits>{tr.rows, d});
       else
         decoded<C>(src, p, d, t, m, tr, buffer, f);
     } else if constexpr (std::is_same_v<C, mxfp4> && fp4_register_lookup) {
@@ -1267,8 +1288,9 @@ struct simd_attention {
 
   /// Raw logits (before scale) of tokens [tb, tb + n) for every head of the group, in s.logits
   /// (group, T); segments of key rows that reach f32 arithmetic go through dot(loader, m, off),
-  /// which must write the logits of the loader's m rows, tile tokens [off, off + m).
-  template <class KC, class Dot>
+  /// which must write the logits of the loader's m rows, tile tokens [off, off + m), in s.logits
+  /// (RowMajor) or elsewhere (then every loader it gets scales its rows).
+  template <class KC, bool RowMajor = true, class Dot>
   static void tile_logits(token_source const& k, typename KC::params_type const& kp, attention_call const& call,
                           float const* q, detail::block_q8_0 const* qb, std::int64_t tb, int n, attention_scratch& s,
                           tile_rows& tr, Dot&& dot) noexcept {
@@ -1318,7 +1340,7 @@ struct simd_attention {
             continue;
           }
         }
-        with_quantized_rows<KC>(k, kp, d, t, m, tr, s.keys.data(), [&](auto const& rows) {
+        auto const rows_logits = [&](auto const& rows) {
           using loader = std::decay_t<decltype(rows)>;
           constexpr int H4 = W >= 4 ? 4 : W;
           if constexpr (!std::is_same_v<decltype(rows.prepare(0, 0)), no_prep>) {
@@ -1338,6 +1360,20 @@ struct simd_attention {
             std::uint8_t const* ptrs[T];
             dot(rows_in(s.keys.data(), m, d, ptrs), m, i);
           }
+        };
+        with_quantized_rows<KC>(k, kp, d, t, m, tr, s.keys.data(), [&](auto const& rows) {
+          if constexpr (RowMajor && is_tq_rows<std::decay_t<decltype(rows)>>) {
+            // One rotation block: g (q . c) for the unscaled centroids c, where every g is finite
+            // (an infinite g would give NaN where some product q_i (g c_i) is NaN, not Inf).
+            float g[T];
+            if (rows.blocks == 1 && rows.token_scales(m, g)) {
+              rows_logits(rows.unscaled());
+              for (int h = 0; h < call.group; ++h)
+                for (int r = 0; r < m; ++r) logits[h * T + i + r] *= g[r];
+              return;
+            }
+          }
+          rows_logits(rows);
         });
         i += m;
       }
@@ -2089,7 +2125,7 @@ struct simd_attention {
       std::int64_t const tb = t0;
       int const n = static_cast<int>(std::min(end, t0 + T) - tb);
       prefetch_tile(k, KC::geometry(d).tokens, tb + n, std::min<std::int64_t>(end - tb - n, T));
-      tile_logits<KC>(k, kp, call, q, nullptr, tb, n, s, tr, [&](auto const& rows_of, int cnt, int off) {
+      tile_logits<KC, false>(k, kp, call, q, nullptr, tb, n, s, tr, [&](auto const& rows_of, int cnt, int off) {
         dot_rows_t(s.query_t.data(), rp, d, rows_of, cnt, off, s.logits_t.data(), s.keys.data());
       });
       prefetch_tile(v, 1, tb + n, std::min<std::int64_t>(end - tb - n, T));
@@ -2213,6 +2249,8 @@ struct simd_attention {
       if (fold_value_scale && s.weights.size() < static_cast<std::size_t>(group) * T)
         s.weights.resize(static_cast<std::size_t>(group) * T);
     }
+    if constexpr (simd::tq_codebook_traits<VC>::value)
+      if (s.weights.size() < static_cast<std::size_t>(group) * T) s.weights.resize(static_cast<std::size_t>(group) * T);
     for (std::int64_t t0 = begin; t0 < end; t0 += T) {
       std::int64_t const tb = t0;
       int const n = static_cast<int>(std::min(end, t0 + T) - tb);
@@ -2261,6 +2299,18 @@ struct simd_attention {
             accumulate_one_head_kivi(state.out, s.probs.data() + first, rows, m, d);
           else
             accumulate(state.out, d, group, s.probs.data(), first, rows, m);
+        } else if constexpr (is_tq_rows<loader>) {
+          if (rows.blocks == 1) {  // (p g) c for the unscaled centroids c: NaN and Inf where p (g c) is
+            float g[T];
+            rows.token_scales(m, g);
+            float* const w = s.weights.data();
+            for (int h = 0; h < group; ++h)
+              for (int t = 0; t < m; ++t)
+                w[h * T + first + t] = s.probs[static_cast<std::size_t>(h * T + first + t)] * g[t];
+            accumulate(state.out, d, group, w, first, rows.unscaled(), m);
+          } else {
+            accumulate(state.out, d, group, s.probs.data(), first, rows, m);
+          }
         } else if constexpr (is_scaled_fp8_rows<loader>) {
           if (fold_value_scale) {  // (p f) x for the unscaled x
             float* const w = s.weights.data();
