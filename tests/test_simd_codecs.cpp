@@ -145,7 +145,13 @@ auto inexact_tie(float target, float id) -> float {
   return target / id;
 }
 
-constexpr int row_kinds = 20;
+constexpr int row_kinds = 21;
+
+/// An fp16 scale that is not a power of two (its reciprocal rounds), for KIVI ties.
+auto kivi_odd_scale(std::mt19937& rng) -> float {
+  float const scales[] = {0.1f, 0.3f, 0.7f, 1.3f, 2.9f, 0.0123f, 37.3f, 0.37f};
+  return kvq::detail::f16_bits_to_f32(kvq::detail::f32_to_f16_bits(scales[rng() % 8]));
+}
 
 /// Fills x[0 .. n) with a row of the given kind (kinds 0 .. row_kinds - 1).
 void make_row(int kind, float* x, int n, std::mt19937& rng) {
@@ -188,6 +194,18 @@ void make_row(int kind, float* x, int n, std::mt19937& rng) {
         x[i] = i % 8 == 0   ? 0.0f
                : i % 8 == 1 ? static_cast<float>(top)
                             : static_cast<float>(std::uniform_int_distribution<int>(0, top - 1)(rng)) + 0.5f;
+      break;
+    }
+    case 20:  // KIVI ties at a scale s whose reciprocal rounds: min 0, max (2^b - 1) s per group of 8,
+              // others (k + 1/2) s, so (v - m) / s is a midpoint that v * fl(1 / s) may miss
+    {
+      int const tops[] = {3, 15, 255};
+      int const top = tops[rng() % 3];
+      float const unit = kivi_odd_scale(rng);
+      for (int i = 0; i < n; ++i)
+        x[i] = unit * (i % 8 == 0   ? 0.0f
+                       : i % 8 == 1 ? static_cast<float>(top)
+                                    : static_cast<float>(std::uniform_int_distribution<int>(0, top - 1)(rng)) + 0.5f);
       break;
     }
     case 5:  // fp8 ties
@@ -412,7 +430,7 @@ void check_row_codec_all_isas(typename C::params_type const& p = {}, std::string
 // -------------------------------------------------------------------------------------------------
 // KIVI key tiles
 
-constexpr int tile_kinds = 6;
+constexpr int tile_kinds = 7;
 
 /// One tile x: (G, hd), rows ts apart.
 void make_tile(int kind, int bits, int G, int hd, std::ptrdiff_t ts, float* x, std::mt19937& rng) {
@@ -425,13 +443,16 @@ void make_tile(int kind, int bits, int G, int hd, std::ptrdiff_t ts, float* x, s
       for (int t = 1; t < G; ++t) std::memcpy(x + t * ts, x, static_cast<std::size_t>(hd) * sizeof(float));
       break;
     case 2:  // ties per channel: token 0 holds 0, token 1 holds 2^b - 1 (scale 1), others k + 1/2
+    case 6:  // the same times a scale whose reciprocal rounds
     {
       int const top = (1 << bits) - 1;
+      float const unit = kind == 6 ? kivi_odd_scale(rng) : 1.0f;
       for (int t = 0; t < G; ++t)
         for (int c = 0; c < hd; ++c)
-          x[t * ts + c] = t == 0   ? 0.0f
-                          : t == 1 ? static_cast<float>(top)
-                                   : static_cast<float>(std::uniform_int_distribution<int>(0, top - 1)(rng)) + 0.5f;
+          x[t * ts + c] =
+              unit * (t == 0   ? 0.0f
+                      : t == 1 ? static_cast<float>(top)
+                               : static_cast<float>(std::uniform_int_distribution<int>(0, top - 1)(rng)) + 0.5f);
       break;
     }
     case 3:  // N(0, 1) tokens with a few NaN / Inf (poisoning their channels only)
