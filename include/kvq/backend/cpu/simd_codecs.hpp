@@ -1006,31 +1006,39 @@ struct simd_codecs {
     constexpr int chunk_bytes = W * B / 8;
     int const chunks = (lanes + W - 1) / W;
     int const code_bytes = (lanes * B + 7) / 8;
-    alignas(64) float mn[std::size_t{W}] = {};
-    alignas(64) float mx[std::size_t{W}] = {};
-    alignas(64) std::int32_t bad[std::size_t{W}] = {};
-    for (int i = 0; i < m; ++i) {
-      vf lo = V::set1(detail::f32_from_bits(0x7f800000u));
-      vf hi = V::set1(detail::f32_from_bits(0xff800000u));
-      vm nf = V::mask_false();
-      for (int ch = 0; ch < chunks; ++ch) {
-        vf const v = kivi_chunk(x[i], n(i), ch);
-        lo = V::min(lo, v);
-        hi = V::max(hi, v);
-        nf = V::mask_or(nf, nonfinite(v));
+    // Each group's range, the batch's W groups at once: as integers, the keys b ^ 0x7fffffff of
+    // negative floats' bits b (b of the others) order like the floats (-0 below +0, NaNs beyond the
+    // infinities), so one max_lanes_i tree gives every group's largest key, and one over the
+    // complemented keys its smallest. A group is poisoned when either key lies beyond an infinity's.
+    vi const flip = V::set1_i(0x7fffffff), ones = V::set1_i(-1), zero_key = V::set1_i(0);
+    auto const key = [&](vi b)
+                         KVQ_CPU_ALWAYS_INLINE { return V::select_i(V::gt_i(zero_key, b), V::xor_i(b, flip), b); };
+    vi top_key[std::size_t{W}], low_key[std::size_t{W}];  // low_key: complemented (~smallest)
+    for (int i = 0; i < W; ++i) {
+      top_key[i] = low_key[i] = zero_key;
+      if (i < m) {
+        vi hi = key(V::bits(kivi_chunk(x[i], n(i), 0))), lo = hi;
+        for (int ch = 1; ch < chunks; ++ch) {
+          vi const k = key(V::bits(kivi_chunk(x[i], n(i), ch)));
+          hi = V::max_i(hi, k);
+          lo = V::min_i(lo, k);
+        }
+        top_key[i] = hi;
+        low_key[i] = V::xor_i(lo, ones);
       }
-      mn[i] = V::reduce_min(lo);
-      mx[i] = V::reduce_max(hi);
-      bad[i] = V::any(nf) ? -1 : 0;
     }
+    vi const kmx = V::max_lanes_i(top_key);
+    vi const kmn = V::xor_i(V::max_lanes_i(low_key), ones);
+    vm const poisoned = V::mask_or(V::gt_i(kmx, V::set1_i(0x7f7fffff)),  // +Inf, positive NaNs
+                                   V::gt_i(V::set1_i(static_cast<std::int32_t>(0x80800000u)), kmn));  // -Inf, ...
+    unsigned const bad = V::mask_bits(poisoned);
     // kivi_make_header for W groups: ±0 -> +0, scale = (mx - mn) / (2^B - 1), saturating fp16.
     vf const zf = V::set1(0.0f);
-    vf vmn = V::load(mn);
-    vf vmx = V::load(mx);
+    vf vmn = V::from_bits(key(kmn));  // (the key map is its own inverse)
+    vf vmx = V::from_bits(key(kmx));
     vmn = V::select_f(V::eq_f(vmn, zf), zf, vmn);
     vmx = V::select_f(V::eq_f(vmx, zf), zf, vmx);
     vf const scale = V::div(V::sub(vmx, vmn), V::set1(static_cast<float>(detail::kivi_max_code(B))));
-    vm const poisoned = V::eq_i(V::load_i(bad), V::set1_i(-1));
     vi const poison = V::set1_i(detail::kivi_poisoned_param);
     alignas(64) u16 hs[std::size_t{W}];
     alignas(64) u16 hm[std::size_t{W}];
@@ -1048,7 +1056,7 @@ struct simd_codecs {
       detail::kivi_store_u16(d, hs[i]);
       detail::kivi_store_u16(d + 2, hm[i]);
       u8* const codes = d + detail::kivi_group_header_bytes;
-      if (bad[i] || !(s[i] > 0.0f)) {  // poisoned, constant or underflowed scale: every code 0
+      if (((bad >> i) & 1u) || !(s[i] > 0.0f)) {  // poisoned, constant or underflowed scale: every code 0
         std::memset(codes, 0, static_cast<std::size_t>(code_bytes));
         continue;
       }
