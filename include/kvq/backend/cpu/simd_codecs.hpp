@@ -1169,77 +1169,89 @@ struct simd_codecs {
   template <int B, int G>
   static void kivi_key_encode_tile(float const* x, std::ptrdiff_t ts, int head_dim, u8* dst) noexcept {
     using K = kivi_key<B, G>;
+    int const full = head_dim / W * W;
+    for (int cb = 0; cb < full; cb += kb * W) {
+      int const nv = (full - cb) / W < kb ? (full - cb) / W : kb;
+      if (nv == kb)  // (a constant count: the per-vector loops unrolled without tests)
+        kivi_key_encode_channels<B, G, kb>(x, ts, head_dim, dst, cb, kb);
+      else
+        kivi_key_encode_channels<B, G, 0>(x, ts, head_dim, dst, cb, nv);
+    }
+    for (int c = full; c < head_dim; ++c)  // remaining channels: the reference, one channel at a time
+      detail::kivi_encode_group(x + c, ts, G, G, B, dst + K::scale_offset(head_dim, c),
+                                dst + K::min_offset(head_dim, c), dst + K::codes_offset(head_dim, c));
+  }
+
+  /// Encodes the nv (NV when not 0) vectors of channels from cb of a key tile.
+  template <int B, int G, int NV>
+  KVQ_CPU_ALWAYS_INLINE static void kivi_key_encode_channels(float const* x, std::ptrdiff_t ts, int head_dim, u8* dst,
+                                                             int cb, int nv_) noexcept {
+    using K = kivi_key<B, G>;
     constexpr int per_word = 32 / B;  // tokens per 32-bit word of codes
     vf const top = V::set1(static_cast<float>(detail::kivi_max_code(B)));
     vf const zf = V::set1(0.0f);
     vi const zero = V::set1_i(0);
     vi const poison = V::set1_i(detail::kivi_poisoned_param);
-    int const full = head_dim / W * W;
-    for (int cb = 0; cb < full; cb += kb * W) {
-      int const nv = (full - cb) / W < kb ? (full - cb) / W : kb;
-      vf mn[kb], mx[kb];
-      vm bad[kb];
+    int const nv = NV > 0 ? NV : nv_;
+    vf mn[kb], mx[kb];
+    vm bad[kb];
+    for (int k = 0; k < nv; ++k) {
+      mn[k] = V::set1(detail::f32_from_bits(0x7f800000u));
+      mx[k] = V::set1(detail::f32_from_bits(0xff800000u));
+      bad[k] = V::mask_false();
+    }
+    for (int t = 0; t < G; ++t) {
+      float const* const row = x + t * ts + cb;
       for (int k = 0; k < nv; ++k) {
-        mn[k] = V::set1(detail::f32_from_bits(0x7f800000u));
-        mx[k] = V::set1(detail::f32_from_bits(0xff800000u));
-        bad[k] = V::mask_false();
+        vf const v = V::load(row + k * W);
+        mn[k] = V::min(mn[k], v);
+        mx[k] = V::max(mx[k], v);
+        bad[k] = V::mask_or(bad[k], nonfinite(v));
+        // The same line of the next tile (G tokens on), streamed while this one computes.
+        if ((k * W) % 16 == 0) prefetch_at(row + k * W, G * ts * std::ptrdiff_t{sizeof(float)});
       }
-      for (int t = 0; t < G; ++t) {
-        float const* const row = x + t * ts + cb;
+    }
+    // kivi_make_header per channel; s and m are the stored parameters read back exactly.
+    vf s[kb], m[kb];
+    vm coded[kb];
+    for (int k = 0; k < nv; ++k) {
+      int const c0 = cb + k * W;
+      vf const lo = V::select_f(V::eq_f(mn[k], zf), zf, mn[k]);  // ±0 counts as +0
+      vf const hi = V::select_f(V::eq_f(mx[k], zf), zf, mx[k]);
+      vf const scale = V::div(V::sub(hi, lo), top);
+      alignas(64) u16 hs[std::size_t{W}];
+      alignas(64) u16 hm[std::size_t{W}];
+      V::store_u16(hs, V::select_i(bad[k], poison, f16_saturate(V::f32_to_f16_hw(scale))));
+      V::store_u16(hm, V::select_i(bad[k], poison, f16_saturate(V::f32_to_f16_hw(lo))));
+      std::memcpy(dst + K::scale_offset(head_dim, c0), hs, sizeof hs);  // little-endian fp16 fields
+      std::memcpy(dst + K::min_offset(head_dim, c0), hm, sizeof hm);
+      s[k] = f16_load(hs);
+      m[k] = f16_load(hm);
+      coded[k] = V::gt_f(s[k], zf);  // false for s == 0 and for a poisoned (NaN) scale
+    }
+    for (int w = 0; w * per_word < G; ++w) {
+      vi acc[kb];
+      for (int k = 0; k < nv; ++k) acc[k] = zero;
+      for (int j = 0; j < per_word && w * per_word + j < G; ++j) {
+        float const* const row = x + (w * per_word + j) * ts + cb;
         for (int k = 0; k < nv; ++k) {
-          vf const v = V::load(row + k * W);
-          mn[k] = V::min(mn[k], v);
-          mx[k] = V::max(mx[k], v);
-          bad[k] = V::mask_or(bad[k], nonfinite(v));
-          // The same line of the next tile (G tokens on), streamed while this one computes.
-          if ((k * W) % 16 == 0) prefetch_at(row + k * W, G * ts * std::ptrdiff_t{sizeof(float)});
+          vi const q = V::select_i(coded[k], kivi_codes(V::load(row + k * W), s[k], m[k], top), zero);
+          acc[k] = V::or_i(acc[k], V::sll_n(q, j * B));
         }
       }
-      // kivi_make_header per channel; s and m are the stored parameters read back exactly.
-      vf s[kb], m[kb];
-      vm coded[kb];
       for (int k = 0; k < nv; ++k) {
-        int const c0 = cb + k * W;
-        vf const lo = V::select_f(V::eq_f(mn[k], zf), zf, mn[k]);  // ±0 counts as +0
-        vf const hi = V::select_f(V::eq_f(mx[k], zf), zf, mx[k]);
-        vf const scale = V::div(V::sub(hi, lo), top);
-        alignas(64) u16 hs[std::size_t{W}];
-        alignas(64) u16 hm[std::size_t{W}];
-        V::store_u16(hs, V::select_i(bad[k], poison, f16_saturate(V::f32_to_f16_hw(scale))));
-        V::store_u16(hm, V::select_i(bad[k], poison, f16_saturate(V::f32_to_f16_hw(lo))));
-        std::memcpy(dst + K::scale_offset(head_dim, c0), hs, sizeof hs);  // little-endian fp16 fields
-        std::memcpy(dst + K::min_offset(head_dim, c0), hm, sizeof hm);
-        s[k] = f16_load(hs);
-        m[k] = f16_load(hm);
-        coded[k] = V::gt_f(s[k], zf);  // false for s == 0 and for a poisoned (NaN) scale
-      }
-      for (int w = 0; w * per_word < G; ++w) {
-        vi acc[kb];
-        for (int k = 0; k < nv; ++k) acc[k] = zero;
-        for (int j = 0; j < per_word && w * per_word + j < G; ++j) {
-          float const* const row = x + (w * per_word + j) * ts + cb;
-          for (int k = 0; k < nv; ++k) {
-            vi const q = V::select_i(coded[k], kivi_codes(V::load(row + k * W), s[k], m[k], top), zero);
-            acc[k] = V::or_i(acc[k], V::sll_n(q, j * B));
-          }
-        }
-        for (int k = 0; k < nv; ++k) {
-          alignas(64) std::int32_t words[std::size_t{W}];
-          V::store_i(words, acc[k]);
-          u8* const codes = dst + K::codes_offset(head_dim, cb + k * W) + 4 * w;
-          if constexpr (K::code_bytes % 4 == 0) {  // whole words: fixed-size stores
-            for (int l = 0; l < W; ++l) std::memcpy(codes + l * K::code_bytes, &words[l], 4);
-          } else {
-            int const nbytes = K::code_bytes - 4 * w < 4 ? K::code_bytes - 4 * w : 4;
-            for (int l = 0; l < W; ++l)
-              std::memcpy(codes + l * K::code_bytes, &words[l], static_cast<std::size_t>(nbytes));
-          }
+        alignas(64) std::int32_t words[std::size_t{W}];
+        V::store_i(words, acc[k]);
+        u8* const codes = dst + K::codes_offset(head_dim, cb + k * W) + 4 * w;
+        if constexpr (K::code_bytes % 4 == 0) {  // whole words: fixed-size stores
+          for (int l = 0; l < W; ++l) std::memcpy(codes + l * K::code_bytes, &words[l], 4);
+        } else {
+          int const nbytes = K::code_bytes - 4 * w < 4 ? K::code_bytes - 4 * w : 4;
+          for (int l = 0; l < W; ++l)
+            std::memcpy(codes + l * K::code_bytes, &words[l], static_cast<std::size_t>(nbytes));
         }
       }
     }
-    for (int c = full; c < head_dim; ++c)  // remaining channels: the reference, one channel at a time
-      detail::kivi_encode_group(x + c, ts, G, G, B, dst + K::scale_offset(head_dim, c),
-                                dst + K::min_offset(head_dim, c), dst + K::codes_offset(head_dim, c));
   }
 
   template <int B, int G>
