@@ -612,22 +612,32 @@ struct simd_codecs {
     }
   };
 
-  /// The midpoints of a batch of W groups: mid[k][i] = (K[k] + K[k + 1]) / 2 * h_i (k < 7), and
-  /// mid[7][i] = -h_i / 2, each read back broadcast (a memory operand of the compares).
+  /// The midpoints of a batch of W groups, (K[k] + K[k + 1]) / 2 * h_i for k < 7, counted by a
+  /// binary search over a register table of them (the products are exact: h has at most four
+  /// significant bits), and -h_i / 2 at neg_half[i].
   struct fp4_midpoints {
-    alignas(64) float mid[8][std::size_t{W}];
+    alignas(64) float half[std::size_t{W}];      // h_i
+    alignas(64) float neg_half[std::size_t{W}];  // -h_i / 2
+    typename V::table16 above;                   // t[c] = the c-th midpoint of h = 1 (c = 1 .. 7), repeated
     explicit fp4_midpoints(vf h) noexcept {
-      constexpr float c[8] = {0.5f, 1.5f, 2.5f, 3.5f, 5.0f, 7.0f, 10.0f, -0.5f};
-      for (int k = 0; k < 8; ++k) V::store(mid[k], V::mul(h, V::set1(c[k])));
+      V::store(half, h);
+      V::store(neg_half, V::mul(h, V::set1(-0.5f)));
+      alignas(64) static constexpr float unit[16] = {0.0f, 0.5f, 1.5f, 2.5f, 3.5f, 5.0f, 7.0f, 10.0f,
+                                                     0.0f, 0.5f, 1.5f, 2.5f, 3.5f, 5.0f, 7.0f, 10.0f};
+      above = V::make_table16(unit);
     }
     /// The codes of finite v of group i (|v| <= 24 h_i, h_i > 0): the midpoints below |v|, plus 8
     /// for v < -h_i / 2 (negative with a code other than 0).
     KVQ_CPU_ALWAYS_INLINE vi codes(vf v, int i) const noexcept {
       vf const a = V::abs(v);
-      vi const one = V::set1_i(1);
+      // (lookup<3> reads the entries that scale_symmetric<3> scales on every policy)
+      auto const t = V::template scale_symmetric<3>(above, V::set1(half[i]));
       vi c = V::set1_i(0);
-      for (int k = 0; k < 7; ++k) c = V::select_i(V::gt_f(a, V::set1(mid[k][i])), V::add_i(c, one), c);
-      return V::select_i(V::gt_f(V::set1(mid[7][i]), v), V::or_i(c, V::set1_i(8)), c);
+      for (int step = 4; step > 0; step /= 2) {
+        vi const cand = V::add_i(c, V::set1_i(step));
+        c = V::select_i(V::gt_f(a, V::template lookup<3>(t, cand)), cand, c);
+      }
+      return V::select_i(V::gt_f(V::set1(neg_half[i]), v), V::or_i(c, V::set1_i(8)), c);
     }
   };
 
@@ -749,7 +759,7 @@ struct simd_codecs {
       *scale[i] = byte[i];
       vi c[std::size_t{nv}];
       if ((exact >> i) & 1u) {
-        vf const inv = V::set1(inverse[i]), neg_half = V::set1(mid.mid[7][i]);
+        vf const inv = V::set1(inverse[i]), neg_half = V::set1(mid.neg_half[i]);
         for (int k = 0; k < nv; ++k) c[k] = mxfp4_exact_codes(V::load(x[i] + k * W), inv, neg_half);
       } else if ((by_midpoints >> i) & 1u) {
         for (int k = 0; k < nv; ++k) c[k] = mid.codes(V::load(x[i] + k * W), i);
