@@ -186,22 +186,13 @@ void make_row(int kind, float* x, int n, std::mt19937& rng) {
       }
       break;
     }
-    case 4:  // KIVI ties: min 0 and max 2^b - 1 per group of 8 (scale 1), others k + 1/2
+    case 4:   // KIVI ties: min 0 and max 2^b - 1 per group of 8 (scale 1), others k + 1/2
+    case 20:  // the same times a scale s whose reciprocal rounds, so (v - m) / s is a midpoint that
+              // v * fl(1 / s) may miss
     {
       int const tops[] = {3, 15, 255};
       int const top = tops[rng() % 3];
-      for (int i = 0; i < n; ++i)
-        x[i] = i % 8 == 0   ? 0.0f
-               : i % 8 == 1 ? static_cast<float>(top)
-                            : static_cast<float>(std::uniform_int_distribution<int>(0, top - 1)(rng)) + 0.5f;
-      break;
-    }
-    case 20:  // KIVI ties at a scale s whose reciprocal rounds: min 0, max (2^b - 1) s per group of 8,
-              // others (k + 1/2) s, so (v - m) / s is a midpoint that v * fl(1 / s) may miss
-    {
-      int const tops[] = {3, 15, 255};
-      int const top = tops[rng() % 3];
-      float const unit = kivi_odd_scale(rng);
+      float const unit = kind == 20 ? kivi_odd_scale(rng) : 1.0f;
       for (int i = 0; i < n; ++i)
         x[i] = unit * (i % 8 == 0   ? 0.0f
                        : i % 8 == 1 ? static_cast<float>(top)

@@ -2246,11 +2246,11 @@ struct simd_attention {
       using rows_type = fp8_rows<std::is_same_v<VC, fp8_e4m3>>;
       value_factor = rows_type{nullptr, vp.scale}.factor();
       fold_value_scale = std::isfinite(value_factor * rows_type::largest);
-      if (fold_value_scale && s.weights.size() < static_cast<std::size_t>(group) * T)
-        s.weights.resize(static_cast<std::size_t>(group) * T);
     }
-    if constexpr (simd::tq_codebook_traits<VC>::value)
-      if (s.weights.size() < static_cast<std::size_t>(group) * T) s.weights.resize(static_cast<std::size_t>(group) * T);
+    // Weighted probabilities (p times a row or codec scale) for the folds of fp8 and tq values.
+    if ((fold_value_scale || simd::tq_codebook_traits<VC>::value) &&
+        s.weights.size() < static_cast<std::size_t>(group) * T)
+      s.weights.resize(static_cast<std::size_t>(group) * T);
     for (std::int64_t t0 = begin; t0 < end; t0 += T) {
       std::int64_t const tb = t0;
       int const n = static_cast<int>(std::min(end, t0 + T) - tb);
